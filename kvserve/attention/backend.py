@@ -1,0 +1,72 @@
+"""Attention backend interface, metadata of a flat batch, and the registry."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one flat batch: all scheduled tokens of all requests, concatenated.
+
+    Requests are ordered decodes first (one query token each), then prefill
+    chunks. Request i owns query tokens [query_start_loc[i], query_start_loc[i+1])
+    and, after this step, has seq_lens[i] tokens of context in the KV cache
+    (its cached prefix plus these query tokens).
+    """
+
+    num_decodes: int
+    query_start_loc: list[int]  # [B + 1]
+    seq_lens: list[int]  # [B]
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset of each token
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    seq_lens_tensor: torch.Tensor  # [B] int64
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]
+
+
+class AttentionBackend(ABC):
+    """Writes the new K/V of a flat batch into the paged cache and attends.
+
+    Contract: every token's K/V is written before any attention is computed, so
+    a request may read blocks that another request in the same batch writes.
+    """
+
+    name: str = ""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        ...
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    _BACKENDS[cls.name] = cls
+    return cls
+
+
+def get_backend(name: str = "torch") -> AttentionBackend:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]()

@@ -1,0 +1,82 @@
+"""Frozen configuration dataclasses. Derived values are properties."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
+          "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_size(value: int | str, field: str = "size") -> int:
+    """Parse '2GiB', '512MB', '1e9' or an int into a number of bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"{field} must be a size such as '2GiB', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{field} must be a size such as '2GiB' or '512MiB', got {value!r}")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise ValueError(f"{field} must be a size such as '2GiB', got {type(value).__name__}")
+    if n <= 0:
+        raise ValueError(f"{field} must be positive, got {value!r}")
+    return n
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to load and in which dtype. `model=None` is the embedded default model."""
+
+    model: str | None = None
+    dtype: str = "auto"  # auto | bfloat16 | float32 | float16
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
+            raise ValueError(f"dtype must be one of auto, bfloat16, float32, float16; got {self.dtype!r}")
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 1)
+        _check_int("seed", self.seed, 0)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing and prefix caching."""
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; default chosen by the engine
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory
+    enable_prefix_caching: bool = True
+    prefix_cache: str = "hash"  # hash | radix
+
+    def __post_init__(self) -> None:
+        _check_int("block_size", self.block_size, 1)
+        if self.num_kv_blocks is not None:
+            _check_int("num_kv_blocks", self.num_kv_blocks, 1)
+        if self.prefix_cache not in ("hash", "radix"):
+            raise ValueError(f"prefix_cache must be 'hash' or 'radix', got {self.prefix_cache!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_model_len", self.max_model_len, 1)
