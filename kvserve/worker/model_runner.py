@@ -1,0 +1,200 @@
+"""Model runner: owns the model, the KV tensors and the per-request sampling state.
+
+Turns a SchedulerOutput into one flat batch (no padding), runs the model,
+samples the requests whose scheduled tokens reach their end, and computes
+prompt logprobs where asked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kvserve.attention import AttentionMetadata
+from kvserve.core.scheduler import SchedulerOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+
+# (token ids: actual/sampled first then the top-k, their logprobs, rank of the first)
+TokenLogprobs = tuple[list[int], list[float], int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Prompt logprobs computed this step: (first position predicted, one entry per position).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+
+
+@dataclass
+class _ReqState:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+
+
+def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * hf_config.num_hidden_layers * block_size * hf_config.num_key_value_heads * head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, hf_config, dtype: torch.dtype, num_blocks: int,
+                 block_size: int, device: torch.device | str = "cpu") -> None:
+        self.model = model
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.vocab_size = hf_config.vocab_size
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        shape = (num_blocks, block_size, hf_config.num_key_value_heads, head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
+                           torch.zeros(shape, dtype=dtype, device=self.device))
+                          for _ in range(hf_config.num_hidden_layers)]
+        self.sampler = Sampler()
+        self.requests: dict[str, _ReqState] = {}
+        self.eos_token_id: int | None = None
+
+    # ---- state ------------------------------------------------------------
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+        for d in so.new_reqs:
+            old = self.requests.get(d.req_id)  # resumed after preemption: keep its generator
+            gen = old.generator if old else self._make_generator(d.sampling_params)
+            self.requests[d.req_id] = _ReqState(
+                d.prompt_token_ids + d.output_token_ids, len(d.prompt_token_ids), d.sampling_params,
+                list(d.block_ids), d.num_computed_tokens, gen)
+        for c in so.cached_reqs:
+            st = self.requests[c.req_id]
+            st.block_ids.extend(c.new_block_ids)
+            st.num_computed_tokens = c.num_computed_tokens
+
+    def _make_generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.seed is None or params.greedy:
+            return None
+        return torch.Generator(device=self.device).manual_seed(params.seed)
+
+    # ---- one step ---------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if not so.num_scheduled_tokens:
+            return ModelRunnerOutput()
+        # Decodes (one query token) first: the attention backend batches them.
+        order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
+        meta, input_ids, positions = self._prepare(order, so.num_scheduled_tokens)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+
+        sample_ids, sample_rows, plp = self._rows_to_compute(order, so.num_scheduled_tokens, meta)
+        rows = sample_rows + [r for _, rs, _ in plp for r in rs]
+        if not rows:
+            self._advance(order, so.num_scheduled_tokens)
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        out = ModelRunnerOutput()
+        self._sample(sample_ids, logits[:len(sample_rows)], out)
+        self._prompt_logprobs(plp, logits[len(sample_rows):], out)
+        self._advance(order, so.num_scheduled_tokens)
+        for rid, tok in out.sampled.items():
+            self.requests[rid].token_ids.append(tok)
+        return out
+
+    def _advance(self, order: list[str], num_sched: dict[str, int]) -> None:
+        for rid in order:
+            self.requests[rid].num_computed_tokens += num_sched[rid]
+
+    def _prepare(self, order: list[str], num_sched: dict[str, int]):
+        ids: list[int] = []
+        pos: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        num_decodes = 0
+        for rid in order:
+            st, n = self.requests[rid], num_sched[rid]
+            start = st.num_computed_tokens
+            ids.extend(st.token_ids[start:start + n])
+            pos.extend(range(start, start + n))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            tables.append(st.block_ids)
+            num_decodes += n == 1
+        width = max(len(t) for t in tables)
+        table_t = torch.zeros((len(tables), width), dtype=torch.int64)
+        for i, t in enumerate(tables):
+            table_t[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
+        pos_t = torch.tensor(pos, dtype=torch.int64)
+        req_idx = torch.repeat_interleave(torch.arange(len(order)), torch.tensor(qsl[1:]) - torch.tensor(qsl[:-1]))
+        slots = table_t[req_idx, pos_t // self.block_size] * self.block_size + pos_t % self.block_size
+        dev = self.device
+        meta = AttentionMetadata(
+            num_decodes=num_decodes, query_start_loc=qsl, seq_lens=seq_lens,
+            slot_mapping=slots.to(dev), block_tables=table_t.to(dev),
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64, device=dev), block_size=self.block_size)
+        return meta, torch.tensor(ids, dtype=torch.int64, device=dev), pos_t.to(dev)
+
+    def _rows_to_compute(self, order, num_sched, meta: AttentionMetadata):
+        """Hidden rows to turn into logits: each request that reaches its end samples from its
+        last row; requests asking for prompt logprobs also need their prompt rows."""
+        sample_ids: list[str] = []
+        sample_rows: list[int] = []
+        plp: list[tuple[str, list[int], list[int]]] = []  # (req, rows, target token ids)
+        for i, rid in enumerate(order):
+            st, n = self.requests[rid], num_sched[rid]
+            start, end = st.num_computed_tokens, st.num_computed_tokens + n
+            if end == len(st.token_ids):
+                sample_ids.append(rid)
+                sample_rows.append(meta.query_start_loc[i + 1] - 1)
+            if st.params.prompt_logprobs is not None and start < st.num_prompt_tokens - 1:
+                last = min(end, st.num_prompt_tokens - 1)  # position p predicts token p + 1
+                rows = list(range(meta.query_start_loc[i], meta.query_start_loc[i] + last - start))
+                plp.append((rid, rows, st.token_ids[start + 1:last + 1]))
+        return sample_ids, sample_rows, plp
+
+    def _sample(self, rids: list[str], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        if not rids:
+            return
+        states = [self.requests[r] for r in rids]
+        banned = [self._banned(st) for st in states]
+        gens = {i: st.generator for i, st in enumerate(states) if st.generator is not None}
+        meta = SamplingMetadata.build(
+            [st.params for st in states], [st.token_ids[:st.num_prompt_tokens] for st in states],
+            [st.token_ids[st.num_prompt_tokens:] for st in states], gens, banned, self.vocab_size, self.device)
+        res = self.sampler(logits, meta)
+        sampled = res.sampled_token_ids.tolist()
+        lp = res.logprobs.tolist() if res.logprobs is not None else None
+        lp_ids = res.logprob_token_ids.tolist() if res.logprob_token_ids is not None else None
+        ranks = res.sampled_ranks.tolist() if res.sampled_ranks is not None else None
+        for i, (rid, st) in enumerate(zip(rids, states)):
+            out.sampled[rid] = sampled[i]
+            k = st.params.logprobs
+            if k is not None and lp is not None:
+                out.logprobs[rid] = (lp_ids[i][:k + 1], lp[i][:k + 1], ranks[i])
+
+    def _banned(self, st: _ReqState) -> list[int]:
+        p = st.params
+        if len(st.token_ids) - st.num_prompt_tokens >= p.min_tokens:
+            return []
+        eos = [] if p.ignore_eos or self.eos_token_id is None else [self.eos_token_id]
+        return eos + list(p.stop_token_ids)
+
+    def _prompt_logprobs(self, plp, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        offset = 0
+        for rid, rows, targets in plp:
+            first = self.requests[rid].num_computed_tokens + 1
+            k = self.requests[rid].params.prompt_logprobs
+            chunk = logits[offset:offset + len(rows)]
+            offset += len(rows)
+            lps, ids, ranks = compute_prompt_logprobs(chunk, torch.tensor(targets, device=self.device), k)
+            out.prompt_logprobs[rid] = (first, [(i[:k + 1], v[:k + 1], r) for i, v, r in
+                                                zip(ids.tolist(), lps.tolist(), ranks.tolist())])

@@ -1,0 +1,125 @@
+"""Shared fixtures: tiny random HF models of each supported architecture, saved as
+safetensors with a small byte-level BPE tokenizer, and an HF reference."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+VOCAB = 320
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Prefix caching reuses the KV cache of a shared prompt.",
+    "Continuous batching lets requests join and leave every step.",
+    "Ünïcödé tëxt, emoji 🙂 and 中文 characters test multi-byte decoding.",
+] * 20
+
+
+def build_tokenizer(path: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 8, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    fast.save_pretrained(path)
+    return fast
+
+
+def tiny_config(arch: str, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, initializer_range=0.1)
+    if arch == "llama":
+        cfg = LlamaConfig(**common)
+    elif arch == "llama3":  # llama3-style rope scaling, tied embeddings
+        common["tie_word_embeddings"] = True
+        cfg = LlamaConfig(**common, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                  "original_max_position_embeddings": 64})
+    elif arch == "mistral":
+        cfg = MistralConfig(**common, sliding_window=None)
+    elif arch == "qwen2":
+        cfg = Qwen2Config(**common)
+    elif arch == "qwen3":
+        cfg = Qwen3Config(**common, head_dim=32)
+    else:
+        raise ValueError(arch)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def build_tiny_model(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    build_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """tiny_model_factory(arch) -> directory of a saved tiny random model (cached per arch)."""
+    cache: dict[str, Path] = {}
+
+    def make(arch: str = "llama") -> Path:
+        if arch not in cache:
+            cache[arch] = build_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch)
+        return cache[arch]
+
+    return make
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int):
+    """Greedy continuation by full recompute in HF, with the log-softmax at every step."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    results = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = list(p)
+            toks, lps = [], []
+            for _ in range(max_new_tokens):
+                logits = model(torch.tensor([ids])).logits[0, -1].float()
+                lp = torch.log_softmax(logits, -1)
+                t = int(lp.argmax())
+                toks.append(t)
+                lps.append(lp)
+                ids.append(t)
+            results.append((toks, lps))
+    return results
+
+
+def assert_greedy_parity(ours, reference, atol: float = 1e-3) -> None:
+    """Greedy tokens equal HF's; where a near-tie flips a token, HF's token is within
+    our top-5 at that step and logprobs agreed within atol before it."""
+    for out, (ref_toks, ref_lps) in zip(ours, reference):
+        comp = out.outputs[0]
+        for j, (mine, ref) in enumerate(zip(comp.token_ids, ref_toks)):
+            top = comp.logprobs[j]
+            if mine != ref:
+                assert ref in top, f"step {j}: HF token {ref} not in our top-5 {list(top)}"
+                gap = abs(top[mine].logprob - top[ref].logprob)
+                assert gap < 10 * atol, f"step {j}: token flip {mine}!={ref} is not a near-tie (gap {gap})"
+                break
+            diff = abs(top[mine].logprob - float(ref_lps[j][ref]))
+            assert diff < atol, f"step {j}: logprob {top[mine].logprob} vs HF {float(ref_lps[j][ref])}"
