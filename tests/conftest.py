@@ -88,11 +88,14 @@ def tiny_model_factory(tmp_path_factory):
     return make
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int):
-    """Greedy continuation by full recompute in HF, with the log-softmax at every step."""
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int):
+    """Greedy continuation by full recompute in HF (a model or a directory to load),
+    with the log-softmax at every step."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if isinstance(model, (str, Path)):
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    model = model.eval()
     results = []
     with torch.no_grad():
         for p in prompts:

@@ -1,0 +1,238 @@
+"""GGUF checkpoints: HF config from metadata, dequantized HF-named tensors, tokenizer.
+
+llama.cpp's converter permutes the rows of attn_q / attn_k of Llama models
+(interleaved rope layout); we undo it so the tensors match HF's rotate_half layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# GGUF architecture -> (HF config class name, HF architecture)
+_ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Tensors that carry no HF weight: llama3 rope factors are taken from the config instead.
+_SKIP = {"rope_freqs.weight"}
+
+
+def open_gguf(path: str | Path) -> Any:
+    """A GGUFReader; a corrupt or truncated file raises ValueError naming it."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # the reader raises ValueError, IndexError, struct/numpy errors on bad input
+        raise ValueError(f"corrupt or truncated GGUF file {str(path)!r}: {type(e).__name__}: {e}") from e
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _require(reader: Any, key: str, path: str) -> Any:
+    value = _field(reader, key)
+    if value is None:
+        raise ValueError(f"GGUF file {path!r} lacks metadata field {key!r}")
+    return value
+
+
+def gguf_architecture(reader: Any, path: str) -> str:
+    arch = _require(reader, "general.architecture", path)
+    if arch not in _ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path!r}; supported: {', '.join(sorted(_ARCHS))}")
+    return arch
+
+
+def gguf_config(reader: Any, path: str) -> Any:
+    """Build the transformers config of a GGUF file from its `<arch>.*` metadata."""
+    import transformers
+
+    arch = gguf_architecture(reader, path)
+    cfg_name, hf_arch = _ARCHS[arch]
+    hidden = int(_require(reader, f"{arch}.embedding_length", path))
+    heads = int(_require(reader, f"{arch}.attention.head_count", path))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(f"GGUF file {path!r}: partial rotary (rope.dimension_count={rope_dim}, "
+                         f"head_dim={head_dim}) is not supported")
+    names = {t.name for t in reader.tensors}
+    vocab = _field(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        vocab = len(tokens.data) if tokens is not None else int(_token_embd(reader, path).shape[-1])
+    kwargs: dict[str, Any] = dict(
+        architectures=[hf_arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_require(reader, f"{arch}.feed_forward_length", path)),
+        num_hidden_layers=int(_require(reader, f"{arch}.block_count", path)),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_parameters=_rope_parameters(reader, arch, path),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+    )
+    if arch == "qwen2":
+        kwargs.pop("head_dim")
+    return getattr(transformers, cfg_name)(**kwargs)
+
+
+def _token_embd(reader: Any, path: str) -> Any:
+    for t in reader.tensors:
+        if t.name == "token_embd.weight":
+            return t.shape
+    raise ValueError(f"GGUF file {path!r} has no vocab size and no token_embd.weight tensor")
+
+
+def _rope_parameters(reader: Any, arch: str, path: str) -> dict[str, Any]:
+    params: dict[str, Any] = {"rope_type": "default",
+                              "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0))}
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling in (None, "none"):
+        return params
+    if scaling == "linear":
+        params.update(rope_type="linear", factor=float(_require(reader, f"{arch}.rope.scaling.factor", path)))
+        return params
+    raise ValueError(f"GGUF file {path!r}: unsupported rope scaling type {scaling!r}")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """GGUF tensor name -> HF parameter name (None: not an HF weight)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def dequantize_tensor(t: Any, path: str) -> np.ndarray:
+    """A reader tensor as float32 in numpy (rows first) order."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    try:
+        if t.tensor_type == GGMLQuantizationType.F32:
+            arr = np.asarray(t.data, dtype=np.float32)
+        elif t.tensor_type == GGMLQuantizationType.F16:
+            arr = np.asarray(t.data).astype(np.float32)
+        else:
+            arr = dequantize(t.data, t.tensor_type)
+        arr = arr.reshape(shape)
+    except NotImplementedError as e:
+        raise ValueError(f"GGUF file {path!r}: tensor {t.name!r} has unsupported type {t.tensor_type.name}") from e
+    except Exception as e:
+        raise ValueError(f"corrupt or truncated GGUF file {path!r}: tensor {t.name!r}: {e}") from e
+    return arr if arr.flags.writeable else arr.copy()
+
+
+def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's `permute` (HF rotate_half rows -> interleaved rows)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_weights(reader: Any, config: Any, path: str) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+    """(number of tensors, iterator of (HF name, float32 tensor))."""
+    arch = gguf_architecture(reader, path)
+    tensors = [t for t in reader.tensors if t.name not in _SKIP]
+    for t in tensors:
+        if hf_name(t.name) is None:
+            raise ValueError(f"GGUF file {path!r}: unexpected tensor {t.name!r}")
+
+    def gen() -> Iterator[tuple[str, torch.Tensor]]:
+        for t in tensors:
+            arr = dequantize_tensor(t, path)
+            if arch == "llama" and ".attn_q." in t.name:
+                arr = unpermute(arr, config.num_attention_heads)
+            elif arch == "llama" and ".attn_k." in t.name:
+                arr = unpermute(arr, config.num_key_value_heads)
+            yield hf_name(t.name), torch.from_numpy(arr)
+
+    return len(tensors), gen()
+
+
+def _tokenizer_cache_dir(path: Path) -> Path:
+    """Where the converted tokenizer of this exact file is kept (conversion takes seconds)."""
+    import transformers
+
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    root = Path(os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve")
+    return root / "gguf_tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def gguf_tokenizer(path: Path, reader: Any) -> Any:
+    """transformers' tokenizer built from the GGUF vocab, with the file's chat template.
+
+    The converted tokenizer is cached on disk (see `_tokenizer_cache_dir`); a
+    cache that cannot be written or read is skipped silently.
+    """
+    from transformers import AutoTokenizer
+
+    cache = _tokenizer_cache_dir(path)
+    if (cache / "tokenizer.json").exists():
+        try:
+            return AutoTokenizer.from_pretrained(str(cache))
+        except Exception:
+            pass
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:
+        raise ValueError(f"cannot build a tokenizer from GGUF file {str(path)!r}: {type(e).__name__}: {e}") from e
+    template = _field(reader, "tokenizer.chat_template")
+    if template and not getattr(tok, "chat_template", None):
+        tok.chat_template = template
+    _save_tokenizer(tok, cache)
+    return tok
+
+
+def _save_tokenizer(tok: Any, cache: Path) -> None:
+    tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
+    try:
+        tok.save_pretrained(str(tmp))
+        os.replace(tmp, cache)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)

