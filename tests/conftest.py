@@ -12,6 +12,9 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 VOCAB = 320
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Paged attention stores keys and values in fixed-size blocks.",
@@ -21,22 +24,25 @@ CORPUS = [
 ] * 20
 
 
-def build_tokenizer(path: Path):
+@pytest.fixture(autouse=True)
+def _isolated_kvserve_cache(tmp_path_factory, monkeypatch):
+    """Converted GGUF tokenizers go to a per-session temp dir, not ~/.cache."""
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kvserve_cache"))
+
+
+def make_tokenizer(vocab_size: int = 300):
+    """A byte-level BPE wrapped as a transformers fast tokenizer with a ChatML template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 8, special_tokens=["<s>", "</s>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    fast.chat_template = (
-        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<s>assistant:{% endif %}")
-    fast.save_pretrained(path)
-    return fast
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   unk_token=None, pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
 
 
 def tiny_config(arch: str, **overrides):
@@ -44,7 +50,7 @@ def tiny_config(arch: str, **overrides):
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, initializer_range=0.1)
+                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, initializer_range=0.1)
     if arch == "llama":
         cfg = LlamaConfig(**common)
     elif arch == "llama3":  # llama3-style rope scaling, tied embeddings
@@ -71,7 +77,7 @@ def build_tiny_model(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32)
     model.save_pretrained(path, safe_serialization=True)
-    build_tokenizer(path)
+    make_tokenizer().save_pretrained(path)
     return path
 
 

@@ -143,7 +143,8 @@ class LLM:
                         results[out.request_id] = out
                         out_tokens += sum(len(c.token_ids) for c in out.outputs)
                         bar.update(1)
-                        bar.set_postfix_str(f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s")
+                        bar.set_postfix_str(f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s, "
+                                            f"KV {self.engine.kv_usage:.0%}")
         except BaseException:
             for rid in pending:
                 self.engine.abort_request(rid)

@@ -150,3 +150,12 @@ def test_cli_generate_prints_completion(tiny_model_factory):
     streamed = subprocess.run(args + ["--stream"], capture_output=True, text=True, timeout=300)
     assert streamed.returncode == 0, streamed.stderr
     assert plain.stdout == streamed.stdout and plain.stdout.strip()
+
+
+def test_cli_chat_repl_multi_turn(tiny_model_factory):
+    path = str(tiny_model_factory("llama"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "chat", "--model", path, "--max-tokens", "3", "--dtype", "float32"],
+        input="hello\nand again\n\n", capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("> ") == 3  # two turns answered, then the empty line ends it

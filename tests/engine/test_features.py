@@ -156,7 +156,7 @@ def test_priority_scheduling_order(tiny_model_factory):
 def test_chat_uses_template(llm):
     out = llm.chat([{"role": "user", "content": "hello"}], greedy(max_tokens=2), use_tqdm=False)[0]
     tok = llm.get_tokenizer()
-    assert tok.decode(out.prompt_token_ids).startswith("<s>user: hello")
+    assert tok.decode(out.prompt_token_ids).startswith("<|im_start|>user\nhello<|im_end|>")
     assert out.prompt_token_ids == llm.apply_chat_template([{"role": "user", "content": "hello"}])
 
 

@@ -10,34 +10,11 @@ import pytest
 import torch
 
 from kvserve.attention import AttentionMetadata
-
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-_CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello kvserve",
-           "paged attention keeps the kv cache in blocks", "prefix caching reuses blocks"] * 20
-
-
-@pytest.fixture(autouse=True)
-def _isolated_kvserve_cache(tmp_path_factory, monkeypatch):
-    """Converted GGUF tokenizers go to a per-session temp dir, not ~/.cache."""
-    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kvserve_cache"))
-
+from tests.conftest import CHAT_TEMPLATE, SPECIALS, make_tokenizer
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
-    """A byte-level BPE (vocab ~300) wrapped as a transformers fast tokenizer with a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_CORPUS, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                   unk_token=None, pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+    return make_tokenizer()
 
 
 def randomize_(model: torch.nn.Module, seed: int = 0) -> None:

