@@ -13,7 +13,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="HF directory or GGUF file (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB")

@@ -72,7 +72,7 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 128
+    max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
 

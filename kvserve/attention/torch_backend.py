@@ -5,16 +5,37 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvserve.attention import cpu_kernel
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata, register_backend
 
 # Decodes are grouped by context length so that padding to the group's longest
 # context wastes at most this fraction of the gathered K/V.
 _MAX_PAD_WASTE = 0.25
+# With few KV heads, decode scores every (query head, KV head) pair straight from the
+# gathered [B, L, Hkv, D] layout and keeps the matching ones: Hkv times the (tiny)
+# matmul work, but no transposed copy of K/V, which costs more at this size.
+_MAX_KV_HEADS_ALL_PAIRS = 4
 
 
 @register_backend
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self) -> None:
+        # Scratch buffers reused by every layer and step: gathering K/V into fresh
+        # multi-megabyte tensors each call costs more than the attention math.
+        self._buffers: dict[str, torch.Tensor] = {}
+        # Decode with the C kernel where it builds (CPU); torch ops everywhere else.
+        self.use_c_kernel = True
+
+    def _buffer(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._buffers[name] = torch.empty(n, dtype=like.dtype, device=like.device)
+        return buf[:n].view(shape)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -22,9 +43,12 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd:
+        if nd and self.use_c_kernel and cpu_kernel.supports(q, k_cache):
+            out[:nd] = cpu_kernel.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
+                                               meta.seq_lens_tensor[:nd], max(meta.seq_lens[:nd]), scale)
+        elif nd:
             for group in _decode_groups(meta.seq_lens[:nd]):
-                out[group] = _decode(q[group], k_cache, v_cache, meta, group, scale)
+                out[group] = self._decode(q[group], k_cache, v_cache, meta, group, scale)
         for i in range(nd, meta.num_reqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             seq_len = meta.seq_lens[i]
@@ -35,12 +59,44 @@ class TorchAttentionBackend(AttentionBackend):
             out[start:end] = _prefill(q[start:end], kk, vv, seq_len, scale)
         return out
 
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, group: slice | list[int], scale: float):
+        """One query token per request; each attends to its whole context.
+
+        Whole blocks are gathered with index_select on a 2-D view (a row copy, far
+        faster than advanced indexing), then attention runs as two batched matmuls
+        (with one query row, SDPA's CPU kernels are several times slower).
+        """
+        seq_lens = meta.seq_lens_tensor[group]
+        nblocks = -(-int(seq_lens.max()) // meta.block_size)
+        tables = meta.block_tables[group, :nblocks].reshape(-1)
+        b, hq, d = q.shape
+        hkv = k_cache.shape[2]
+        length = nblocks * meta.block_size
+        kk, vv = (self._gather_rows(name, cache, tables, q.dtype).view(b, length, hkv, d)
+                  for name, cache in (("k", k_cache), ("v", v_cache)))
+        pad = torch.arange(length, device=q.device)[None, :] >= seq_lens[:, None]  # [B, L]
+        if hkv <= _MAX_KV_HEADS_ALL_PAIRS:
+            return _decode_all_pairs(q, kk, vv, pad, scale)
+        kk = self._buffer("kt", (b, hkv, length, d), q).copy_(kk.transpose(1, 2))
+        vv = self._buffer("vt", (b, hkv, length, d), q).copy_(vv.transpose(1, 2))
+        scores = torch.matmul(q.view(b, hkv, hq // hkv, d), kk.transpose(-1, -2)).float() * scale
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))  # [B, Hkv, G, L]
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.matmul(probs, vv).view(b, hq, d)
+
+    def _gather_rows(self, name: str, cache: torch.Tensor, blocks: torch.Tensor, dtype) -> torch.Tensor:
+        rows = cache.view(cache.shape[0], -1)
+        out = self._buffer(name, (blocks.numel(), rows.shape[1]), cache)
+        torch.index_select(rows, 0, blocks, out=out)
+        return out if out.dtype == dtype else out.to(dtype)
+
 
 def _gather(k_cache, v_cache, block_table, seq_len: int, block_size: int):
-    nblocks = -(-seq_len // block_size)
-    ids = block_table[:nblocks]
-    shape = (-1,) + tuple(k_cache.shape[2:])
-    return k_cache[ids].reshape(shape)[:seq_len], v_cache[ids].reshape(shape)[:seq_len]
+    ids = block_table[:-(-seq_len // block_size)]
+    rows, shape = k_cache.shape[0], (-1,) + tuple(k_cache.shape[2:])
+    k = torch.index_select(k_cache.view(rows, -1), 0, ids).view(shape)[:seq_len]
+    v = torch.index_select(v_cache.view(rows, -1), 0, ids).view(shape)[:seq_len]
+    return k, v
 
 
 def _prefill(q, k, v, seq_len: int, scale: float):
@@ -56,28 +112,6 @@ def _prefill(q, k, v, seq_len: int, scale: float):
         mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return o.transpose(0, 1)
-
-
-def _decode(q, k_cache, v_cache, meta: AttentionMetadata, group: slice | list[int], scale: float):
-    """One query token per request; each attends to its whole context.
-
-    Written as two batched matmuls over query-head groups rather than SDPA: with
-    one query row, SDPA's CPU kernels (and its GQA fallback) are several times slower.
-    """
-    seq_lens = meta.seq_lens_tensor[group]
-    max_len = int(seq_lens.max())
-    nblocks = -(-max_len // meta.block_size)
-    tables = meta.block_tables[group, :nblocks]  # [B, nblocks]
-    b, hq, d = q.shape
-    hkv = k_cache.shape[2]
-    kv_shape = (b, nblocks * meta.block_size, hkv, d)
-    kk = k_cache[tables].view(kv_shape).permute(0, 2, 3, 1).to(q.dtype)  # [B, Hkv, D, L]
-    vv = v_cache[tables].view(kv_shape).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
-    scores = torch.matmul(q.view(b, hkv, hq // hkv, d), kk).float() * scale  # [B, Hkv, G, L]
-    pad = torch.arange(kv_shape[1], device=q.device)[None, :] >= seq_lens[:, None]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(probs, vv).view(b, hq, d)
 
 
 def _decode_groups(seq_lens: list[int]) -> list[slice | list[int]]:
@@ -98,3 +132,16 @@ def _decode_groups(seq_lens: list[int]) -> list[slice | list[int]]:
         cur_sum += seq_lens[i]
     groups.append(cur)
     return groups
+
+
+def _decode_all_pairs(q, kk, vv, pad, scale: float):
+    """q [B, Hq, D]; kk, vv [B, L, Hkv, D]; pad [B, L] marks positions past each context."""
+    b, hq, d = q.shape
+    length, hkv = kk.shape[1], kk.shape[2]
+    g = hq // hkv
+    all_scores = torch.bmm(q, kk.view(b, length * hkv, d).transpose(1, 2)).view(b, hkv, g, length, hkv)
+    scores = torch.diagonal(all_scores, dim1=1, dim2=4).float() * scale  # [B, G, L, Hkv]
+    scores = scores.masked_fill(pad[:, None, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=2).permute(0, 3, 1, 2).reshape(b, hq, length).to(q.dtype)
+    all_out = torch.bmm(probs, vv.view(b, length, hkv * d)).view(b, hkv, g, hkv, d)
+    return torch.diagonal(all_out, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(b, hq, d)

@@ -27,7 +27,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 class EngineCore:
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, max_num_seqs: int = 128,
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, device: str = "cpu",
                  check_integrity: bool = False) -> None:
         torch.manual_seed(model_config.seed)

@@ -20,7 +20,7 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", max_model_len: int | None = None,
                  kv_cache_memory: int | str | None = None, num_kv_blocks: int | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True, prefix_cache: str = "hash",
-                 max_num_seqs: int = 128, max_num_batched_tokens: int | None = None, seed: int = 0,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, seed: int = 0,
                  device: str = "cpu", check_integrity: bool = False) -> None:
         memory = parse_size(kv_cache_memory, "kv_cache_memory") if kv_cache_memory is not None else None
         self.engine = EngineCore(
@@ -85,6 +85,8 @@ class LLM:
             raise ValueError("n must be 1 when streaming")
         text, toks = self._encode(prompt, 0)
         rid = self.engine.add_request(None, toks, params, prompt=text)
+        # Hold back text that could be the start of a stop string until it is decided.
+        hold = max((len(s) for s in params.stop_strings), default=1) - 1
         sent = 0
         try:
             done = False
@@ -92,11 +94,12 @@ class LLM:
                 for out in self.engine.step():
                     if out.request_id != rid:
                         continue
-                    new = out.outputs[0].text
-                    if len(new) > sent:
-                        yield new[sent:]
-                        sent = len(new)
                     done = out.finished
+                    text = out.outputs[0].text
+                    ready = len(text) if done else len(text) - hold
+                    if ready > sent:
+                        yield text[sent:ready]
+                        sent = ready
         finally:
             if not done:
                 self.engine.abort_request(rid)

@@ -1,0 +1,5 @@
+"""Worker: torch lives here."""
+
+from kvserve.worker.cpu_tuning import tune_allocator
+
+tune_allocator()

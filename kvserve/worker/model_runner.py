@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kvserve.attention import AttentionMetadata
+from kvserve.attention import AttentionMetadata, get_backend, set_attention_backend
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
@@ -49,6 +49,8 @@ class ModelRunner:
     def __init__(self, model: nn.Module, hf_config, dtype: torch.dtype, num_blocks: int,
                  block_size: int, device: torch.device | str = "cpu") -> None:
         self.model = model
+        # One backend instance for all layers, so its scratch buffers are shared.
+        set_attention_backend(model, get_backend("torch"))
         self.device = torch.device(device)
         self.block_size = block_size
         self.num_blocks = num_blocks

@@ -9,10 +9,10 @@ import torch
 
 from kvserve.attention import AttentionMetadata, get_backend
 
-BS, HQ, HKV, D = 4, 4, 2, 8
+BS, HQ, D = 4, 8, 8
 
 
-def reference(q, k, v, scale):
+def reference(q, k, v, scale, HKV):
     """Causal attention of the last q.shape[0] positions over the full k/v."""
     L, Q = k.shape[0], q.shape[0]
     k = k.repeat_interleave(HQ // HKV, 1)
@@ -24,7 +24,9 @@ def reference(q, k, v, scale):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_mixed_batch_matches_reference(seed):
+@pytest.mark.parametrize("HKV", [2, 8])  # both torch decode layouts: all-pairs (few KV heads) and transposed
+@pytest.mark.parametrize("c_kernel", [True, False])
+def test_mixed_batch_matches_reference(seed, HKV, c_kernel):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_blocks = 64
@@ -60,9 +62,11 @@ def test_mixed_batch_matches_reference(seed):
     meta = AttentionMetadata(num_decodes=6, query_start_loc=qsl, seq_lens=seq_lens,
                              slot_mapping=torch.tensor(slots), block_tables=bt,
                              seq_lens_tensor=torch.tensor(seq_lens), block_size=BS)
-    out = get_backend("torch").forward(q, k_new, v_new, kc, vc, meta, 0.3)
+    backend = get_backend("torch")
+    backend.use_c_kernel = c_kernel
+    out = backend.forward(q, k_new, v_new, kc, vc, meta, 0.3)
     for i, (ctx, new) in enumerate(shapes):
-        ref = reference(qs[i], full_k[i], full_v[i], 0.3)
+        ref = reference(qs[i], full_k[i], full_v[i], 0.3, HKV)
         torch.testing.assert_close(out[qsl[i]:qsl[i + 1]], ref, atol=1e-5, rtol=1e-5)
     # every new token's K landed in its slot
     torch.testing.assert_close(kc.view(-1, HKV, D)[torch.tensor(slots)], k_new)
@@ -76,3 +80,22 @@ def test_decode_groups_cover_every_request_once():
     seen = sorted(i for g in groups for i in (range(len(lens))[g] if isinstance(g, slice) else g))
     assert seen == list(range(len(lens)))
     assert len(groups) > 1  # padding everything to 1000 would waste most of the gather
+
+
+def test_c_kernel_builds_here_and_handles_bf16():
+    """The machines this project runs on have a C compiler: the fast path must be live."""
+    from kvserve.attention import cpu_kernel
+
+    q = torch.randn(3, 8, 16, dtype=torch.bfloat16)
+    kc = torch.randn(10, 4, 2, 16, dtype=torch.bfloat16)
+    vc = torch.randn(10, 4, 2, 16, dtype=torch.bfloat16)
+    assert cpu_kernel.supports(q, kc)
+    tables = torch.tensor([[3, 7, 1], [0, 0, 0], [9, 2, 0]])
+    lens = torch.tensor([11, 1, 6])
+    out = cpu_kernel.paged_decode(q, kc, vc, tables, lens, 11, 0.25)
+    for b in range(3):
+        blocks = tables[b, :-(-int(lens[b]) // 4)]
+        k = kc[blocks].reshape(-1, 2, 16)[:lens[b]].float()
+        v = vc[blocks].reshape(-1, 2, 16)[:lens[b]].float()
+        ref = reference(q[b:b + 1].float(), k, v, 0.25, 2)[0]
+        torch.testing.assert_close(out[b].float(), ref, atol=2e-2, rtol=2e-2)

@@ -193,3 +193,11 @@ def test_incremental_detokenizer_stop_across_tokens():
         if hit:
             break
     assert hit == "中🙂" and det.text == "x"
+
+
+def test_stream_holds_back_partial_stop_string(llm):
+    full = llm.generate([ids(6, 12)], greedy(max_tokens=10), use_tqdm=False)[0].outputs[0].text
+    stop = full[3:6]
+    pieces = list(llm.stream(ids(6, 12), greedy(max_tokens=10, stop=[stop])))
+    assert "".join(pieces) == full[:full.index(stop)]
+    assert "".join(llm.stream(ids(6, 12), greedy(max_tokens=10))) == full

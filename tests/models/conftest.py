@@ -125,7 +125,9 @@ def write_llama_gguf(tiny_tokenizer) -> Callable:
     import gguf
     import numpy as np
 
-    def write(hf, path: Path, qtypes: dict[str, "gguf.GGMLQuantizationType"]) -> Path:
+    def write(hf, path: Path, qtypes: dict[str, "gguf.GGMLQuantizationType"],
+              raw: dict[str, tuple[np.ndarray, "gguf.GGMLQuantizationType"]] | None = None) -> Path:
+        """raw: GGUF tensor name -> already-quantized bytes, written instead of the HF weight."""
         cfg = hf.config
         w = gguf.GGUFWriter(str(path), "llama")
         w.add_block_count(cfg.num_hidden_layers)
@@ -168,7 +170,10 @@ def write_llama_gguf(tiny_tokenizer) -> Callable:
             elif ".attn_k." in gname:
                 arr = _permute(arr, cfg.num_key_value_heads)
             qtype = gguf.GGMLQuantizationType.F32 if arr.ndim == 1 else qtypes[gname.split(".")[-2]]
-            data = gguf.quants.quantize(np.ascontiguousarray(arr), qtype)
+            if raw and gname in raw:
+                data, qtype = raw[gname]
+            else:
+                data = gguf.quants.quantize(np.ascontiguousarray(arr), qtype)
             w.add_tensor(gname, data, raw_dtype=qtype)
         w.write_header_to_file()
         w.write_kv_data_to_file()
