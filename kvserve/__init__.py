@@ -1,8 +1,16 @@
 """kvserve: an LLM inference engine built around the KV cache."""
 
-from kvserve.engine.llm import LLM
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch; loading it lazily keeps `import kvserve.core...` torch-free.
+    if name == "LLM":
+        from kvserve.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'kvserve' has no attribute {name!r}")

@@ -66,25 +66,11 @@ def test_bad_size():
 
 
 def test_core_modules_never_import_torch():
-    # Static check: `import kvserve` itself pulls in the engine (and torch), so
-    # look at what the bookkeeping modules import, not at sys.modules.
-    import ast
-    import pathlib
+    """core/ is pure bookkeeping: importing all of it (scheduler included) loads no torch."""
+    import subprocess
+    import sys
 
-    import kvserve.core
-
-    core_dir = pathlib.Path(kvserve.core.__file__).parent
-    for name in ("block_pool.py", "prefix_cache.py", "radix_cache.py", "kv_manager.py"):
-        tree = ast.parse((core_dir / name).read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                mods = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                mods = [node.module or ""]
-            else:
-                continue
-            for mod in mods:
-                assert mod.split(".")[0] not in ("torch", "numpy"), f"{name} imports {mod}"
-                if mod.startswith("kvserve."):
-                    allowed = ("kvserve.core.", "kvserve.request", "kvserve.sampling_params")
-                    assert mod.startswith(allowed), f"{name} imports {mod}"
+    code = ("import sys, kvserve.core.scheduler, kvserve.core.kv_manager, kvserve.core.radix_cache; "
+            "bad = [m for m in ('torch', 'numpy') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"core imports {proc.stdout.strip()} {proc.stderr[-500:]}"
