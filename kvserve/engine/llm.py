@@ -33,6 +33,10 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def stats(self) -> dict[str, float | int]:
+        """Running / waiting requests, KV blocks used / total, prefix-cache counters, preemptions."""
+        return self.engine.stats()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kvserve.attention import AttentionMetadata, get_backend, set_attention_backend
+from kvserve.attention import AttentionMetadata, cpu_kernel, get_backend, set_attention_backend
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
@@ -52,6 +52,8 @@ class ModelRunner:
         # One backend instance for all layers, so its scratch buffers are shared.
         set_attention_backend(model, get_backend("torch"))
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            cpu_kernel.load_kernel()  # build now rather than inside the first decode step
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.vocab_size = hf_config.vocab_size
