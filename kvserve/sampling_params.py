@@ -106,3 +106,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def stop_holdback(self) -> int:
+        """Characters a stream must hold back: a stop string completed later can only
+        start within the last len(stop) - 1 characters, and sent text can't be taken back."""
+        return max((len(s) for s in self.stop_strings), default=1) - 1

@@ -89,8 +89,7 @@ class LLM:
             raise ValueError("n must be 1 when streaming")
         text, toks = self._encode(prompt, 0)
         rid = self.engine.add_request(None, toks, params, prompt=text)
-        # Hold back text that could be the start of a stop string until it is decided.
-        hold = max((len(s) for s in params.stop_strings), default=1) - 1
+        hold = params.stop_holdback
         sent = 0
         try:
             done = False

@@ -1,0 +1,319 @@
+"""AsyncEngine: EngineCore in a child process, driven from asyncio over ZeroMQ.
+
+    engine = await AsyncEngine.start(model=..., dtype="float32")
+    async for delta in engine.generate(prompt_token_ids, SamplingParams(max_tokens=32)):
+        print(delta.outputs[0].text, end="")
+    await engine.shutdown()
+
+One background task reads the output socket and routes each RequestDelta to
+the asyncio.Queue of its request. Sends never wait: the input socket has no
+high-water mark, so a send from a `finally` (abort on break / cancel) cannot
+block or be cancelled half-way. The reader also watches the child: if it dies,
+every open generate() raises EngineDeadError instead of hanging.
+
+Leaving `async for` with break drops the generator; asyncio then closes it and
+the ABORT goes out at once. Code that keeps a reference to the generator
+should close it (`contextlib.aclosing`) to free the KV blocks promptly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kvserve.engine.engine_proc import (ABORT, ADD, ERROR, FATAL, OUTPUTS, READY, SHUTDOWN, STATS,
+                                        STATS_RESULT, AbortMsg, AddMsg, RequestDelta, ShutdownMsg, StatsMsg,
+                                        decode, encode, params_to_wire, run_engine_process)
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+LIVENESS_INTERVAL_S = 0.5
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone; no request on it can finish."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model: str | None
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_kv_blocks: int
+    eos_token_id: int | None
+    pid: int
+
+
+class AsyncEngine:
+    def __init__(self, proc: multiprocessing.process.BaseProcess, sync_ctx: zmq.Context, inp: zmq.Socket,
+                 actx: zmq.asyncio.Context, out: zmq.asyncio.Socket, tmpdir: str) -> None:
+        """Use `await AsyncEngine.start(...)`."""
+        self._proc = proc
+        self._sync_ctx = sync_ctx
+        self._inp = inp
+        self._actx = actx
+        self._out = out
+        self._tmpdir = tmpdir
+        self._model_info: ModelInfo | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._query_ids = itertools.count()
+        self._dead: EngineDeadError | None = None
+        self._fatal: str | None = None
+        self._closed = False
+        self._released = False
+        self._reader: asyncio.Task | None = None
+        atexit.register(self._shutdown_sync)
+
+    # ---- start-up ----------------------------------------------------------
+
+    @classmethod
+    async def start(cls, *, startup_timeout: float = 600.0, **engine_kwargs: Any) -> AsyncEngine:
+        """Spawn the engine process (kwargs as for kvserve.LLM) and wait until it is READY.
+
+        Raises RuntimeError with the child's error if it fails or dies during start-up.
+        """
+        tmpdir = tempfile.mkdtemp(prefix="kvserve-")
+        input_addr, output_addr = f"ipc://{tmpdir}/input", f"ipc://{tmpdir}/output"
+        sync_ctx = zmq.Context()
+        inp = sync_ctx.socket(zmq.PUSH)
+        inp.setsockopt(zmq.SNDHWM, 0)  # never block a send; see the module docstring
+        inp.setsockopt(zmq.LINGER, 0)
+        inp.bind(input_addr)
+        actx = zmq.asyncio.Context()
+        out = actx.socket(zmq.PULL)
+        out.setsockopt(zmq.LINGER, 0)
+        out.bind(output_addr)
+        proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_process, args=(dict(engine_kwargs), input_addr, output_addr),
+            name="kvserve-engine", daemon=False)  # not daemonic: the engine may start workers of its own
+        proc.start()
+        self = cls(proc, sync_ctx, inp, actx, out, tmpdir)
+        try:
+            self._model_info = await self._wait_ready(startup_timeout)
+        except BaseException:
+            self._shutdown_sync()
+            raise
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop(), name="kvserve-engine-reader")
+        return self
+
+    async def _wait_ready(self, timeout: float) -> ModelInfo:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if await self._out.poll(timeout=int(LIVENESS_INTERVAL_S * 1000)):
+                msg = decode(await self._out.recv())
+                if msg["type"] == READY:
+                    return ModelInfo(**{k: v for k, v in msg.items() if k != "type"})
+                if msg["type"] == FATAL:
+                    self._proc.join(10)
+                    raise RuntimeError(f"engine process failed to start: {msg['message']}\n{msg['traceback']}")
+            elif not self._proc.is_alive():
+                raise RuntimeError(f"engine process exited with code {self._proc.exitcode} during start-up")
+        raise RuntimeError(f"engine process not ready after {timeout} s")
+
+    # ---- public API --------------------------------------------------------
+
+    @property
+    def model_info(self) -> ModelInfo:
+        assert self._model_info is not None
+        return self._model_info
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def is_alive(self) -> bool:
+        return self._dead is None and not self._closed and self._proc.is_alive()
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestDelta]:
+        """Yield this request's deltas, step by step, until one has finished=True.
+
+        Raises ValueError if the engine rejects the request, EngineDeadError if the
+        engine dies. Stopping early (break, cancel, aclose) aborts the request.
+        """
+        self._check_alive()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        if rid in self._queues:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        done = False
+        try:
+            self._send(AddMsg(type=ADD, request_id=rid, prompt_token_ids=list(prompt_token_ids),
+                              params=params_to_wire(params), priority=priority, cache_salt=cache_salt,
+                              arrival_time=time.time()))
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    done = True  # rejected or engine dead: nothing to abort
+                    raise item
+                if item.finished:
+                    done = True
+                yield item
+                if done:
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not done and self.is_alive():
+                self._send(AbortMsg(type=ABORT, request_id=rid))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its open generate() gets a last delta with finish_reason 'abort'."""
+        self._check_alive()
+        self._send(AbortMsg(type=ABORT, request_id=request_id))
+
+    async def stats(self, timeout: float = 30.0) -> dict[str, float | int]:
+        """EngineCore.stats() from the engine process, plus num_requests (open requests)."""
+        self._check_alive()
+        qid = next(self._query_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._stats_waiters[qid] = fut
+        try:
+            self._send(StatsMsg(type=STATS, query_id=qid))
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._stats_waiters.pop(qid, None)
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine process (SHUTDOWN, then terminate, then kill); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(zmq.ZMQError):
+            self._inp.send(encode(ShutdownMsg(type=SHUTDOWN)), zmq.NOBLOCK)
+        deadline = time.monotonic() + timeout
+        while self._proc.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+        self._fail_all(EngineDeadError("the engine was shut down"))
+        self._shutdown_sync()
+
+    async def __aenter__(self) -> AsyncEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    # ---- internals ---------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self._closed:
+            raise EngineDeadError("the engine was shut down")
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        try:
+            self._inp.send(encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # no peer: the child is gone
+            raise EngineDeadError(f"cannot reach the engine process: {e}") from None
+
+    async def _read_loop(self) -> None:
+        next_check = time.monotonic() + LIVENESS_INTERVAL_S
+        try:
+            while True:
+                if await self._out.poll(timeout=int(LIVENESS_INTERVAL_S * 1000)):
+                    self._dispatch(decode(await self._out.recv()))
+                if time.monotonic() >= next_check or self._fatal is not None:
+                    next_check = time.monotonic() + LIVENESS_INTERVAL_S
+                    if not self._proc.is_alive() or self._fatal is not None:
+                        await self._drain_remaining()
+                        self._mark_dead()
+                        return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug here must not leave callers hanging
+            logger.exception("engine output reader failed")
+            self._mark_dead(f"engine output reader failed: {e!r}")
+
+    async def _drain_remaining(self) -> None:
+        """Deliver what the child sent before it died."""
+        while await self._out.poll(timeout=0):
+            self._dispatch(decode(await self._out.recv()))
+
+    def _mark_dead(self, reason: str | None = None) -> None:
+        if reason is None:
+            self._proc.join(timeout=1.0)
+            if self._fatal is not None:
+                reason = f"engine process died after an error: {self._fatal}"
+            else:
+                reason = f"engine process died (exit code {self._proc.exitcode})"
+        if self._closed:
+            return
+        self._dead = EngineDeadError(reason)
+        logger.error("%s", reason)
+        self._fail_all(self._dead)
+
+    def _fail_all(self, err: Exception) -> None:
+        for q in self._queues.values():
+            q.put_nowait(err)
+        for fut in self._stats_waiters.values():
+            if not fut.done():
+                fut.set_exception(err)
+
+    def _dispatch(self, msg: dict[str, Any]) -> None:
+        kind = msg["type"]
+        if kind == OUTPUTS:
+            for d in msg["deltas"]:
+                q = self._queues.get(d["request_id"])
+                if q is not None:
+                    q.put_nowait(RequestDelta.from_wire(d))
+        elif kind == ERROR:
+            q = self._queues.get(msg["request_id"])
+            if q is not None:
+                q.put_nowait(ValueError(msg["message"]))
+        elif kind == STATS_RESULT:
+            fut = self._stats_waiters.get(msg["query_id"])
+            if fut is not None and not fut.done():
+                fut.set_result(msg["stats"])
+        elif kind == FATAL:
+            self._fatal = msg["message"]
+            logger.error("engine process failed:\n%s", msg["traceback"])
+        else:
+            logger.warning("unexpected message from the engine process: %r", kind)
+
+    def _shutdown_sync(self) -> None:
+        """Leave no child process and no socket files behind (also runs at interpreter exit)."""
+        self._closed = True
+        if self._released:
+            return
+        self._released = True
+        atexit.unregister(self._shutdown_sync)
+        if self._proc.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                self._inp.send(encode(ShutdownMsg(type=SHUTDOWN)), zmq.NOBLOCK)
+            self._proc.join(5.0)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(5.0)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5.0)
+        self._inp.close(linger=0)
+        self._out.close(linger=0)
+        self._sync_ctx.term()
+        self._actx.term()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)

@@ -1,0 +1,402 @@
+"""The engine core in its own process, driven over ZeroMQ with msgpack messages.
+
+The API process must never stall the step loop through the GIL, so EngineCore
+runs in a child process (spawned, never forked: torch and zmq state do not
+survive a fork). The parent binds two ipc:// sockets; the child connects:
+
+    parent PUSH --input-->  child PULL    add / abort / stats / shutdown
+    parent PULL <--output-- child PUSH    ready / outputs / error / stats_result / fatal
+
+Every message is a msgpack map with a "type" field; the TypedDicts below are
+the whole schema. After each engine step the child sends ONE `outputs`
+message holding a delta per request that changed: new text, new token ids
+and new logprob entries since the last message, so the wire cost per step is
+independent of how long the completions have grown.
+
+This module imports neither torch nor the engine at import time: the parent
+(API process) uses the schema and the delta types from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any, Literal, TypedDict
+
+import msgpack
+import zmq
+
+from kvserve.outputs import Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+# How long the idle child blocks on its input socket before re-checking that
+# its parent is still alive (an orphaned engine would hold memory forever).
+IDLE_POLL_MS = 500
+
+# ---- message schema -------------------------------------------------------
+
+# parent -> child
+ADD, ABORT, STATS, SHUTDOWN = "add", "abort", "stats", "shutdown"
+# child -> parent
+READY, OUTPUTS, ERROR, STATS_RESULT, FATAL = "ready", "outputs", "error", "stats_result", "fatal"
+
+
+class AddMsg(TypedDict):
+    type: Literal["add"]
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]  # SamplingParams init fields, see params_to_wire
+    priority: int
+    cache_salt: str | None
+    arrival_time: float | None
+
+
+class AbortMsg(TypedDict):
+    type: Literal["abort"]
+    request_id: str
+
+
+class StatsMsg(TypedDict):
+    type: Literal["stats"]
+    query_id: int
+
+
+class ShutdownMsg(TypedDict):
+    type: Literal["shutdown"]
+
+
+class ReadyMsg(TypedDict):
+    type: Literal["ready"]
+    model: str | None  # as requested (None: the embedded default model)
+    model_path: str  # resolved path of the loaded weights
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_kv_blocks: int
+    eos_token_id: int | None
+    pid: int
+
+
+# One logprob position on the wire: [[token_id, logprob, rank, decoded_token], ...],
+# the sampled (or actual) token first, as in PositionLogprobs.
+WireLogprobs = list[list[Any]]
+
+
+class CompletionDeltaWire(TypedDict):
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[WireLogprobs] | None
+    cumulative_logprob: float | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class RequestDeltaWire(TypedDict):
+    request_id: str
+    completions: list[CompletionDeltaWire]
+    finished: bool
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    prompt_logprobs: list[WireLogprobs | None] | None  # sent once, with the first token
+    metrics: dict[str, float | None] | None
+
+
+class OutputsMsg(TypedDict):
+    type: Literal["outputs"]
+    deltas: list[RequestDeltaWire]
+
+
+class ErrorMsg(TypedDict):
+    type: Literal["error"]
+    request_id: str
+    message: str
+
+
+class StatsResultMsg(TypedDict):
+    type: Literal["stats_result"]
+    query_id: int
+    stats: dict[str, float | int]
+
+
+class FatalMsg(TypedDict):
+    type: Literal["fatal"]
+    message: str
+    traceback: str
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def decode(buf: bytes) -> dict[str, Any]:
+    return msgpack.unpackb(buf, raw=False, strict_map_key=False)
+
+
+def params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
+
+
+def params_from_wire(d: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(**d)
+
+
+def logprobs_to_wire(pos: PositionLogprobs) -> WireLogprobs:
+    return [[tid, lp.logprob, lp.rank, lp.decoded_token] for tid, lp in pos.items()]
+
+
+def logprobs_from_wire(pos: WireLogprobs) -> PositionLogprobs:
+    return {int(tid): Logprob(lp, rank, text) for tid, lp, rank, text in pos}
+
+
+# ---- the deltas the parent hands to callers --------------------------------
+
+
+@dataclass
+class CompletionDelta:
+    """What one completion gained in one engine step."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None
+    cumulative_logprob: float | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+    @classmethod
+    def from_wire(cls, d: CompletionDeltaWire) -> CompletionDelta:
+        lps = None if d["logprobs"] is None else [logprobs_from_wire(p) for p in d["logprobs"]]
+        return cls(d["index"], d["text"], list(d["token_ids"]), lps, d["cumulative_logprob"],
+                   d["finish_reason"], d["stop_reason"])
+
+
+@dataclass
+class RequestDelta:
+    """One request's news from one engine step; `outputs` holds only the completions that changed."""
+
+    request_id: str
+    outputs: list[CompletionDelta]
+    finished: bool
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    prompt_logprobs: list[PositionLogprobs | None] | None
+    metrics: RequestMetrics | None
+
+    @classmethod
+    def from_wire(cls, d: RequestDeltaWire) -> RequestDelta:
+        plp = d["prompt_logprobs"]
+        if plp is not None:
+            plp = [None if p is None else logprobs_from_wire(p) for p in plp]
+        metrics = RequestMetrics(**d["metrics"]) if d["metrics"] is not None else None
+        return cls(d["request_id"], [CompletionDelta.from_wire(c) for c in d["completions"]],
+                   d["finished"], d["num_prompt_tokens"], d["num_cached_tokens"], plp, metrics)
+
+
+# ---- child side: turning cumulative RequestOutputs into deltas -------------
+
+
+@dataclass
+class _Sent:
+    text: int = 0  # characters
+    tokens: int = 0
+    logprobs: int = 0
+    finished: bool = False
+
+
+@dataclass
+class _Tracked:
+    n: int
+    hold: int  # characters held back: they could still become part of a stop string
+    completions: dict[int, _Sent]
+    prompt_logprobs_sent: bool = False
+
+
+class DeltaTracker:
+    """Remembers what was already sent for each request.
+
+    Text that could be the start of a stop string is held back until decided:
+    a stop string that matches later truncates the text, and text already sent
+    cannot be taken back. Since a match can only start within the last
+    len(stop) - 1 characters of the text before the token that completes it,
+    holding back max(len(stop)) - 1 characters is enough.
+    """
+
+    def __init__(self) -> None:
+        self.requests: dict[str, _Tracked] = {}
+
+    def add(self, request_id: str, params: SamplingParams) -> None:
+        hold = params.stop_holdback
+        self.requests[request_id] = _Tracked(params.n, hold, {i: _Sent() for i in range(params.n)})
+
+    def delta(self, out: RequestOutput) -> RequestDeltaWire | None:
+        tr = self.requests.get(out.request_id)
+        if tr is None:
+            return None
+        comps = [c for c in (self._completion(tr, co) for co in out.outputs) if c is not None]
+        plp = None
+        if out.prompt_logprobs is not None and not tr.prompt_logprobs_sent and (
+                out.finished or any(co.token_ids for co in out.outputs)):
+            plp = [None if p is None else logprobs_to_wire(p) for p in out.prompt_logprobs]
+            tr.prompt_logprobs_sent = True
+        if out.finished:
+            del self.requests[out.request_id]
+        elif not comps and plp is None:
+            return None
+        m = out.metrics
+        return RequestDeltaWire(request_id=out.request_id, completions=comps, finished=out.finished,
+                                num_prompt_tokens=len(out.prompt_token_ids),
+                                num_cached_tokens=out.num_cached_tokens, prompt_logprobs=plp,
+                                metrics=dataclasses.asdict(m) if m is not None else None)
+
+    def _completion(self, tr: _Tracked, co) -> CompletionDeltaWire | None:
+        sent = tr.completions[co.index]
+        if sent.finished:
+            return None
+        finished = co.finish_reason is not None
+        ready = len(co.text) if finished else len(co.text) - tr.hold
+        text = co.text[sent.text:ready] if ready > sent.text else ""
+        tokens = co.token_ids[sent.tokens:]
+        lps = None
+        if co.logprobs is not None:
+            lps = [logprobs_to_wire(p) for p in co.logprobs[sent.logprobs:]]
+            sent.logprobs = len(co.logprobs)
+        if not (text or tokens or finished):
+            return None
+        sent.text, sent.tokens, sent.finished = max(sent.text, ready), len(co.token_ids), finished
+        return CompletionDeltaWire(index=co.index, text=text, token_ids=list(tokens), logprobs=lps,
+                                   cumulative_logprob=co.cumulative_logprob,
+                                   finish_reason=co.finish_reason, stop_reason=co.stop_reason)
+
+    def abort(self, request_id: str) -> RequestDeltaWire | None:
+        """The final delta of an aborted request: its unfinished completions end with 'abort'."""
+        tr = self.requests.pop(request_id, None)
+        if tr is None:
+            return None
+        comps = [CompletionDeltaWire(index=i, text="", token_ids=[], logprobs=None, cumulative_logprob=None,
+                                     finish_reason="abort", stop_reason=None)
+                 for i, s in tr.completions.items() if not s.finished]
+        return RequestDeltaWire(request_id=request_id, completions=comps, finished=True, num_prompt_tokens=0,
+                                num_cached_tokens=0, prompt_logprobs=None, metrics=None)
+
+
+# ---- child side: the loop ---------------------------------------------------
+
+
+class EngineLoop:
+    def __init__(self, engine, inp: zmq.Socket, out: zmq.Socket) -> None:
+        self.engine = engine
+        self.inp = inp
+        self.out = out
+        self.tracker = DeltaTracker()
+        self.pending: list[RequestDeltaWire] = []  # abort deltas, sent before the next step
+        self.flush = False  # an abort left finished ids for the model runner to drop
+        self.stopping = False
+        self.parent_pid = os.getppid()
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.inp, zmq.POLLIN)
+        while not self.stopping:
+            busy = self.engine.has_unfinished_requests() or self.flush
+            if not busy and not poller.poll(IDLE_POLL_MS):
+                if os.getppid() != self.parent_pid:
+                    return  # the parent died without telling us
+                continue
+            self._drain()
+            if self.stopping:
+                return
+            if self.engine.has_unfinished_requests() or self.flush:
+                self.flush = False
+                outs = self.engine.step()
+                self.pending.extend(d for d in map(self.tracker.delta, outs) if d is not None)
+            if self.pending:
+                self.out.send(encode(OutputsMsg(type=OUTPUTS, deltas=self.pending)))
+                self.pending = []
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                buf = self.inp.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(decode(buf))
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        kind = msg["type"]
+        if kind == ADD:
+            self._add(msg)  # type: ignore[arg-type]
+        elif kind == ABORT:
+            rid = msg["request_id"]
+            self.engine.abort_request(rid)
+            self.flush = True
+            d = self.tracker.abort(rid)
+            if d is not None:
+                self.pending.append(d)
+        elif kind == STATS:
+            stats = dict(self.engine.stats(), num_requests=len(self.tracker.requests))
+            self.out.send(encode(StatsResultMsg(type=STATS_RESULT, query_id=msg["query_id"], stats=stats)))
+        elif kind == SHUTDOWN:
+            self.stopping = True
+        else:
+            raise RuntimeError(f"unknown message type {kind!r}")
+
+    def _add(self, msg: AddMsg) -> None:
+        rid = msg["request_id"]
+        try:
+            params = params_from_wire(msg["params"])
+            self.engine.add_request(rid, list(msg["prompt_token_ids"]), params,
+                                    arrival_time=msg.get("arrival_time"), priority=msg["priority"],
+                                    cache_salt=msg["cache_salt"])
+        except (ValueError, TypeError) as e:
+            self.out.send(encode(ErrorMsg(type=ERROR, request_id=rid, message=str(e))))
+            return
+        self.tracker.add(rid, params)
+
+
+def build_engine(engine_kwargs: dict[str, Any]):
+    """EngineCore from the same keyword arguments as kvserve.LLM."""
+    from kvserve.engine.llm import LLM
+
+    return LLM(**engine_kwargs).engine
+
+
+def ready_message(engine, engine_kwargs: dict[str, Any]) -> ReadyMsg:
+    return ReadyMsg(type=READY, model=engine_kwargs.get("model"), model_path=str(engine.model_path),
+                    max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
+                    block_size=engine.kv.block_size, num_kv_blocks=engine.kv.num_blocks,
+                    eos_token_id=engine.eos_token_id, pid=os.getpid())
+
+
+def run_engine_process(engine_kwargs: dict[str, Any], input_addr: str, output_addr: str) -> None:
+    """Child process entry point: build the engine, send READY, serve until SHUTDOWN.
+
+    Exits 0 after SHUTDOWN (or when the parent has died), 1 after sending FATAL.
+    """
+    # Ctrl-C reaches the whole process group; the parent decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 5000)
+    out.connect(output_addr)
+    inp = ctx.socket(zmq.PULL)
+    inp.setsockopt(zmq.LINGER, 0)
+    inp.connect(input_addr)
+    code = 0
+    try:
+        engine = build_engine(engine_kwargs)
+        out.send(encode(ready_message(engine, engine_kwargs)))
+        EngineLoop(engine, inp, out).run()
+    except BaseException as e:  # noqa: BLE001 - anything here must reach the parent
+        code = 1
+        out.send(encode(FatalMsg(type=FATAL, message=f"{type(e).__name__}: {e}",
+                                 traceback=traceback.format_exc())))
+    finally:
+        inp.close()
+        out.close()
+        ctx.term()
+    sys.exit(code)
