@@ -34,7 +34,7 @@ def req(rid: str, n_prompt: int, max_tokens: int = 5, start: int = 1, priority: 
 def step(s: Scheduler) -> SchedulerOutput:
     out = s.schedule()
     sampled = {}
-    for rid, n in out.num_scheduled_tokens.items():
+    for rid in out.num_scheduled_tokens:
         r = s.requests[rid]
         if r.num_computed_tokens == r.num_tokens:  # reached its end: the model samples
             sampled[rid] = fake_token(r.all_token_ids)
