@@ -73,9 +73,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 
 def load_model(model: str | None = None, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
     """Load an HF directory (config.json + safetensors) or a GGUF file (or a dir holding one)."""
-    path = Path(default_model_path() if model is None else model).expanduser()
-    if not path.exists():
-        raise ValueError(f"model path {str(path)!r} does not exist")
+    path = _resolve_path(model)
     torch_dtype = resolve_dtype(dtype, device)
     gguf_file = _find_gguf(path)
     if gguf_file is not None:
@@ -102,6 +100,22 @@ def _progress(weights: Iterator[tuple[str, torch.Tensor]], bar: Any) -> Iterator
     for item in weights:
         yield item
         bar.update(1)
+
+
+def load_tokenizer(model: str | None = None) -> Any:
+    """The tokenizer exactly as load_model builds it, without loading any weights."""
+    path = _resolve_path(model)
+    gguf_file = _find_gguf(path)
+    if gguf_file is not None:
+        return gguf_loader.gguf_tokenizer(gguf_file, gguf_loader.open_gguf(gguf_file))
+    return _hf_tokenizer(path)
+
+
+def _resolve_path(model: str | None) -> Path:
+    path = Path(default_model_path() if model is None else model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path {str(path)!r} does not exist")
+    return path
 
 
 def _find_gguf(path: Path) -> Path | None:
