@@ -108,6 +108,11 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     @property
+    def uses_penalties(self) -> bool:
+        """Whether sampling needs the request's token history."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
     def stop_holdback(self) -> int:
         """Characters a stream must hold back: a stop string completed later can only
         start within the last len(stop) - 1 characters, and sent text can't be taken back."""

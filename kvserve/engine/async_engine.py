@@ -29,14 +29,13 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from kvserve.engine.engine_proc import (ABORT, ADD, ERROR, FATAL, OUTPUTS, READY, SHUTDOWN, STATS,
-                                        STATS_RESULT, AbortMsg, AddMsg, RequestDelta, ShutdownMsg, StatsMsg,
+                                        STATS_RESULT, AbortMsg, AddMsg, ModelInfo, RequestDelta, ShutdownMsg, StatsMsg,
                                         decode, encode, params_to_wire, run_engine_process)
 from kvserve.sampling_params import SamplingParams
 
@@ -47,18 +46,6 @@ LIVENESS_INTERVAL_S = 0.5
 
 class EngineDeadError(RuntimeError):
     """The engine process is gone; no request on it can finish."""
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    model: str | None
-    model_path: str
-    max_model_len: int
-    vocab_size: int
-    block_size: int
-    num_kv_blocks: int
-    eos_token_id: int | None
-    pid: int
 
 
 class AsyncEngine:

@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal, TypedDict
 
 import msgpack
@@ -69,8 +69,10 @@ class ShutdownMsg(TypedDict):
     type: Literal["shutdown"]
 
 
-class ReadyMsg(TypedDict):
-    type: Literal["ready"]
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine process loaded; sent as the READY message ({"type": "ready", **fields})."""
+
     model: str | None  # as requested (None: the embedded default model)
     model_path: str  # resolved path of the loaded weights
     max_model_len: int
@@ -365,11 +367,12 @@ def build_engine(engine_kwargs: dict[str, Any]):
     return LLM(**engine_kwargs).engine
 
 
-def ready_message(engine, engine_kwargs: dict[str, Any]) -> ReadyMsg:
-    return ReadyMsg(type=READY, model=engine_kwargs.get("model"), model_path=str(engine.model_path),
-                    max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
-                    block_size=engine.kv.block_size, num_kv_blocks=engine.kv.num_blocks,
-                    eos_token_id=engine.eos_token_id, pid=os.getpid())
+def ready_message(engine, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    info = ModelInfo(model=engine_kwargs.get("model"), model_path=str(engine.model_path),
+                     max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
+                     block_size=engine.kv.block_size, num_kv_blocks=engine.kv.num_blocks,
+                     eos_token_id=engine.eos_token_id, pid=os.getpid())
+    return {"type": READY, **asdict(info)}
 
 
 def run_engine_process(engine_kwargs: dict[str, Any], input_addr: str, output_addr: str) -> None:

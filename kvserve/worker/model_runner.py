@@ -171,9 +171,12 @@ class ModelRunner:
         states = [self.requests[r] for r in rids]
         banned = [self._banned(st) for st in states]
         gens = {i: st.generator for i, st in enumerate(states) if st.generator is not None}
+        # Token histories only feed penalties: don't copy them every step otherwise.
+        hist = [st if st.params.uses_penalties else None for st in states]
         meta = SamplingMetadata.build(
-            [st.params for st in states], [st.token_ids[:st.num_prompt_tokens] for st in states],
-            [st.token_ids[st.num_prompt_tokens:] for st in states], gens, banned, self.vocab_size, self.device)
+            [st.params for st in states], [h.token_ids[:h.num_prompt_tokens] if h else [] for h in hist],
+            [h.token_ids[h.num_prompt_tokens:] if h else [] for h in hist], gens, banned, self.vocab_size,
+            self.device)
         res = self.sampler(logits, meta)
         sampled = res.sampled_token_ids.tolist()
         lp = res.logprobs.tolist() if res.logprobs is not None else None

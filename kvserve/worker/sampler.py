@@ -121,6 +121,8 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     Repetition and presence gather the old values and write them back without
     accumulating, so a pair listed several times is still penalised once.
     """
+    if meta.repetition_penalty is None and meta.frequency_penalty is None and meta.presence_penalty is None:
+        return logits
     device = logits.device
     out_rows, out_toks = _row_token_index(meta.output_token_ids, device)
     if meta.repetition_penalty is not None:
