@@ -113,7 +113,11 @@ void paged_decode(const void *q, const void *k_cache, const void *v_cache, void 
 """
 
 # fast-math lets expf and the reductions vectorize; -inf still has to mean -inf.
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffast-math", "-fno-finite-math-only",
+          "-fPIC"]
+# Linked in a separate step without -ffast-math: a -ffast-math link adds crtfastmath.o,
+# whose constructor turns on flush-to-zero for the whole process that loads the library.
+_LINK_FLAGS = ["-shared", "-fopenmp"]
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -135,15 +139,17 @@ def _build() -> ctypes.CDLL | None:
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         return None
-    key = hashlib.sha256("\0".join([_SOURCE, cc, *_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([_SOURCE, cc, *_FLAGS, *_LINK_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
     lib_path = _cache_dir() / f"paged_decode_{key}.so"
     if not lib_path.exists():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
             src = Path(tmp) / "paged_decode.c"
             src.write_text(_SOURCE)
-            tmp_lib = Path(tmp) / "paged_decode.so"
-            subprocess.run([cc, *_FLAGS, str(src), "-o", str(tmp_lib), "-lm"], check=True,
+            obj, tmp_lib = Path(tmp) / "paged_decode.o", Path(tmp) / "paged_decode.so"
+            subprocess.run([cc, *_FLAGS, "-c", str(src), "-o", str(obj)], check=True, capture_output=True,
+                           timeout=120)
+            subprocess.run([cc, *_LINK_FLAGS, str(obj), "-o", str(tmp_lib), "-lm"], check=True,
                            capture_output=True, timeout=120)
             os.replace(tmp_lib, lib_path)  # atomic: concurrent builders never see half a file
     lib = ctypes.CDLL(str(lib_path))

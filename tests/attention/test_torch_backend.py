@@ -99,3 +99,14 @@ def test_c_kernel_builds_here_and_handles_bf16():
         v = vc[blocks].reshape(-1, 2, 16)[:lens[b]].float()
         ref = reference(q[b:b + 1].float(), k, v, 0.25, 2)[0]
         torch.testing.assert_close(out[b].float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_c_kernel_leaves_floating_point_state_alone():
+    """Loading the kernel must not turn on flush-to-zero in the caller's process (crtfastmath.o)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvserve.attention import cpu_kernel as k; assert k.load_kernel() is not None; "
+            "print(sys.float_info.min * 0.5 > 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "True", out.stderr
