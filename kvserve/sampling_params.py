@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 
 
+# Integers travel to the engine process (msgpack) and into torch generators: 64-bit signed.
+_INT_LIMIT = 2**63
+
+
 def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, int) and not isinstance(v, bool) and -_INT_LIMIT <= v < _INT_LIMIT
 
 
 def _is_num(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite number: NaN or inf would poison the whole batch's sampling."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass
@@ -51,15 +57,15 @@ class SamplingParams:
     def _validate_types(self) -> None:
         for name in ("n", "top_k", "min_tokens"):
             if not _is_int(getattr(self, name)):
-                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be a 64-bit integer, got {getattr(self, name)!r}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             if not _is_num(getattr(self, name)):
-                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
         for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and not _is_int(v):
-                raise ValueError(f"{name} must be an integer or None, got {v!r}")
+                raise ValueError(f"{name} must be a 64-bit integer or None, got {v!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
