@@ -1,4 +1,4 @@
-# Two entry points: `make run` (set up, then generate on the embedded default model)
+# Two entry points: `make run` (set up, then serve the embedded default model over the OpenAI API)
 # and `make test` (set up, then run the whole test suite).
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -19,8 +19,7 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 	touch $@
 
 run: setup
-	$(VENV)/bin/kvserve generate --chat --stream --max-tokens 96 \
-		--prompt "Explain in two sentences why caching the KV of a shared prompt prefix speeds up LLM serving."
+	$(VENV)/bin/kvserve serve --host 127.0.0.1 --port 8000
 
 test: setup
 	$(PY) -m pytest -q

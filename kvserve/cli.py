@@ -1,4 +1,4 @@
-"""`kvserve generate | chat | bench` — flag names mirror `vllm serve`."""
+"""`kvserve serve | generate | chat | bench` — flag names mirror `vllm serve`."""
 
 from __future__ import annotations
 
@@ -103,6 +103,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="LLM inference engine built around the KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    from kvserve.server.launch import add_server_args, cmd_serve
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_server_args(s)
+    s.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     add_engine_args(g)

@@ -160,3 +160,65 @@ def random_requests(tokenizer: Any, num_prompts: int, input_len: int, output_len
         ids = [rng.choice(vocab) for _ in range(input_len)]
         out.append(BenchRequest(tokenizer.decode(ids), input_len, output_len, ids))
     return out
+
+
+def _turn_texts(records: Iterable[Any]) -> Iterator[str]:
+    for rec in records:
+        conv = rec.get("conversations") if isinstance(rec, dict) else None
+        for turn in conv if isinstance(conv, list) else []:
+            value = turn.get("value") if isinstance(turn, dict) else None
+            if isinstance(value, str) and value.strip():
+                yield value
+
+
+def _shared_prefix(tokenizer: Any, records: Iterator[Any], prefix_len: int) -> list[int]:
+    """Exactly prefix_len ids of concatenated ShareGPT turns."""
+    texts: list[str] = []
+    counted = 0
+    for text in _turn_texts(records):
+        texts.append(text)
+        counted += len(_token_ids(tokenizer, [text])[0])
+        # Per-turn counts only estimate the joined length (merges at the joins): recheck on the whole.
+        if counted >= prefix_len:
+            ids = _token_ids(tokenizer, ["\n\n".join(texts)])[0]
+            if len(ids) >= prefix_len:
+                return ids[:prefix_len]
+    raise ValueError(f"the ShareGPT file holds fewer than prefix_len={prefix_len} tokens of text")
+
+
+def prefix_requests(tokenizer: Any, num_prompts: int, prefix_len: int = 2048, output_len: int = 32,
+                    seed: int = 0, max_question_len: int = 64, path: str | Path | None = None,
+                    window: int = SHUFFLE_WINDOW) -> list[BenchRequest]:
+    """Requests sharing one "system prompt" of exactly `prefix_len` tokens: a prefix-cache workload.
+
+    The prefix is ShareGPT turns joined and cut to `prefix_len` ids. Each request appends a
+    different question: a ShareGPT first turn of 4..max_question_len tokens, tokenized without
+    special tokens (no BOS in mid-prompt); questions with equal ids are skipped, so all differ.
+    """
+    if num_prompts < 1 or prefix_len < 1 or output_len < 1:
+        raise ValueError(f"num_prompts, prefix_len and output_len must be at least 1, "
+                         f"got {num_prompts}, {prefix_len}, {output_len}")
+    if max_question_len < 4:
+        raise ValueError(f"max_question_len must be at least 4, got {max_question_len}")
+    src = Path(path) if path is not None else sharegpt_path()
+    # One pass: the prefix takes the first records, the questions come from the ones after.
+    records = _shuffled(iter_json_array(src), random.Random(seed), window)
+    prefix = _shared_prefix(tokenizer, records, prefix_len)
+    prefix_text = tokenizer.decode(prefix)
+    questions = (q for q, _ in _first_two_turns(records))
+    out: list[BenchRequest] = []
+    seen: set[tuple[int, ...]] = set()
+    while len(out) < num_prompts:
+        batch = [q for _, q in zip(range(_TOKENIZE_BATCH), questions)]
+        if not batch:
+            raise ValueError(f"only {len(out)} distinct ShareGPT questions of 4..{max_question_len} tokens in "
+                             f"{str(src)!r}; asked for {num_prompts}")
+        for question, ids in zip(batch, tokenizer(batch, add_special_tokens=False)["input_ids"]):
+            key = tuple(ids)
+            if 4 <= len(key) <= max_question_len and key not in seen:
+                seen.add(key)
+                full = prefix + list(key)
+                out.append(BenchRequest(prefix_text + question, len(full), output_len, full))
+                if len(out) == num_prompts:
+                    break
+    return out

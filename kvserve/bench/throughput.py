@@ -72,6 +72,10 @@ def add_bench_parser(subparsers: Any) -> None:
     p.add_argument("--output-json", default=None, help="also write the numbers to this JSON file")
     add_engine_args(p)
     p.set_defaults(func=cmd_throughput)
+    # Imported here, not at module top: serve imports this module.
+    from kvserve.bench.serve import add_serve_bench_parser
+
+    add_serve_bench_parser(bench_sub)
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:

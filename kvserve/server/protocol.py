@@ -38,7 +38,10 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # kvserve / vLLM extensions
     cache_salt: str | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -4,83 +4,16 @@ server process serving a tiny random llama."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 
 import pytest
 
-openai = pytest.importorskip("openai")
+from tests.serving import LONG_PROMPT, MODEL, PROMPT, http_request
 
-MODEL = "tiny"
-PROMPT = "The quick brown fox jumps over the lazy dog."
-LONG_PROMPT = " ".join(["Paged attention stores keys and values in fixed-size blocks."] * 4)
+openai = pytest.importorskip("openai")
 
 
 def _http(method: str, url: str, body: bytes | None = None) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, data=body, method=method, headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_factory, tmp_path_factory):
-    model_dir = tiny_model_factory("llama")
-    port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvserve.server.openai_api", "--model", str(model_dir), "--dtype", "float32",
-             "--port", str(port), "--num-kv-blocks", "256", "--served-model-name", MODEL],
-            stdout=f, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                if _http("GET", f"{base}/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after 120 s:\n{log.read_text()}")
-            time.sleep(0.25)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_factory):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_model_factory("llama")))
+    return http_request(method, url, body)[:2]
 
 
 def test_models_version_health(server, client):

@@ -1,0 +1,126 @@
+"""`kvserve serve`: start the engine process, then the HTTP front end on uvicorn.
+
+    kvserve serve [MODEL] --host 127.0.0.1 --port 8000 [engine flags] [--api-key KEY]
+                  [--served-model-name NAME] [--max-waiting N]
+
+Ctrl-C / SIGTERM: the engine process is stopped first, so every open stream ends
+at once with an error event instead of running on; uvicorn then closes the
+connections and the command exits with no process left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+DEFAULT_MAX_WAITING = 1024
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    from kvserve.cli import add_engine_args
+
+    p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
+                   help="HF directory or GGUF file (same as --model)")
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    g.add_argument("--served-model-name", default=None, help="the model name clients send (default: file name)")
+    g.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
+                   help="requests waiting for their first token beyond which new ones get 503 "
+                        f"with Retry-After (default {DEFAULT_MAX_WAITING})")
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+                enable_prefix_caching=args.enable_prefix_caching, prefix_cache=args.prefix_cache,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                seed=args.seed, device=args.device)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.model_pos is not None:
+        if args.model is not None and args.model != args.model_pos:
+            raise ValueError(f"MODEL ({args.model_pos!r}) and --model ({args.model!r}) disagree; give one")
+        args.model = args.model_pos
+    if args.max_waiting < 1:
+        raise ValueError(f"--max-waiting must be at least 1, got {args.max_waiting}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.models.loader import load_tokenizer
+    from kvserve.server.openai_api import build_app
+
+    tokenizer = load_tokenizer(args.model)
+    engine = await AsyncEngine.start(**_engine_kwargs(args))
+    try:
+        info = engine.model_info
+        name = args.served_model_name or Path(args.model.rstrip("/") if args.model else info.model_path).stem
+        app = build_app(engine, tokenizer, name, api_key=args.api_key, max_waiting=args.max_waiting)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                timeout_graceful_shutdown=5)
+        server = _Server(config, engine)
+        print(f"kvserve: serving {name!r} ({info.model_path}) at http://{args.host}:{args.port}/v1\n"
+              f"kvserve: try  curl http://{args.host}:{args.port}/v1/chat/completions -H "
+              f"'content-type: application/json' -d '{{\"messages\": [{{\"role\": \"user\", "
+              f"\"content\": \"Hello!\"}}], \"max_tokens\": 32}}'", flush=True)
+        await server.serve()
+    finally:
+        await engine.shutdown()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server whose exit signal first stops the engine, so open streams end now
+    (with an error event) instead of holding the graceful shutdown until they finish."""
+
+    def __init__(self, config: uvicorn.Config, engine: Any) -> None:
+        super().__init__(config)
+        self._engine = engine
+        self._loop = asyncio.get_running_loop()
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._engine.shutdown()))
+        super().handle_exit(sig, frame)
+
+
+def _raise_exit(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    _check_args(args)  # ValueError -> exit code 2 in cli.main
+    # uvicorn re-raises a captured SIGTERM after its graceful stop; make that an
+    # exception so the engine process is shut down in `serve`'s finally.
+    signal.signal(signal.SIGTERM, _raise_exit)
+    try:
+        asyncio.run(serve(args))
+    except (KeyboardInterrupt, SystemExit):
+        return 0
+    except RuntimeError as e:  # the engine failed to start; its message says why
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvserve.cli import EXIT_BAD_INPUT
+
+    p = argparse.ArgumentParser(prog="kvserve serve", description="OpenAI-compatible server")
+    add_server_args(p)
+    args = p.parse_args(argv)
+    try:
+        return cmd_serve(args)
+    except ValueError as e:
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT

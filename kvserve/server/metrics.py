@@ -1,0 +1,135 @@
+"""Prometheus metrics at /metrics, all under the `kvserve:` prefix.
+
+Two sources:
+- per-request latencies and token counts, measured here in the API process as
+  each request's deltas arrive (so TTFT includes the hop over ZeroMQ, as a
+  client sees it);
+- engine state (running / waiting requests, KV usage, prefix-cache and
+  preemption counters), read from the engine process at scrape time.
+
+Each app has its own CollectorRegistry, so several servers in one process (tests)
+never share counts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvserve.engine.engine_proc import RequestDelta
+
+PREFIX = "kvserve:"
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class _EngineCollector(Collector):
+    """Gauges and counters from the engine's latest stats snapshot (EngineCore.stats())."""
+
+    def __init__(self) -> None:
+        self.snapshot: dict[str, float | int] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot
+        if s is None:  # engine unreachable: report nothing rather than stale zeros
+            return
+        yield GaugeMetricFamily(f"{PREFIX}num_requests_running", "Requests in the running batch.",
+                                value=s["num_running"])
+        yield GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests waiting to be scheduled.",
+                                value=s["num_waiting"])
+        yield GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "Fraction of KV blocks in use (1 = 100%).",
+                                value=s["kv_usage"])
+        yield CounterMetricFamily(f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  value=s["prefix_cache_queries"])
+        yield CounterMetricFamily(f"{PREFIX}prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                  value=s["prefix_cache_hits"])
+        yield CounterMetricFamily(f"{PREFIX}num_preemptions", "Requests preempted (to be recomputed).",
+                                  value=s["num_preemptions"])
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds", "Time to the first output token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(f"{PREFIX}inter_token_latency_seconds", "Time between output tokens of a request.",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds", "Request latency, arrival to last token.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram(f"{PREFIX}request_queue_time_seconds", "Time from arrival to first scheduling.",
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of started requests.", registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Generated tokens.", registry=r)
+        self.success = Counter(f"{PREFIX}request_success", "Finished completions by finish reason.",
+                               ["finished_reason"], registry=r)
+        self.engine = _EngineCollector()
+        r.register(self.engine)
+        # Engine requests sent and not yet given their first token; --max-waiting bounds it.
+        self.num_waiting_first_token = 0
+
+    async def render(self, engine: Any) -> bytes:
+        """The exposition text; engine gauges are read fresh (skipped if the engine is dead)."""
+        try:
+            self.engine.snapshot = await engine.stats(timeout=5.0) if engine.is_alive() else None
+        except Exception:  # noqa: BLE001 - a dead or stuck engine must not break /metrics
+            self.engine.snapshot = None
+        return generate_latest(self.registry)
+
+    def track(self, n: int) -> RequestTracker:
+        return RequestTracker(self, n)
+
+
+class RequestTracker:
+    """Observes one engine request's deltas (n completions); `close()` once it is over, however it
+    ended: completions that never finished (the client left, the engine died) count as aborted."""
+
+    def __init__(self, m: ServerMetrics, n: int) -> None:
+        self.m = m
+        self.unfinished = n
+        self.start = time.perf_counter()
+        self.last: float | None = None  # when the last token-carrying delta arrived
+        self.counted_prompt = False
+        self.closed = False
+        m.num_waiting_first_token += 1
+
+    def on_delta(self, d: RequestDelta) -> None:
+        now = time.perf_counter()
+        if d.num_prompt_tokens and not self.counted_prompt:
+            self.counted_prompt = True
+            self.m.prompt_tokens.inc(d.num_prompt_tokens)
+        tokens = sum(len(c.token_ids) for c in d.outputs)
+        if tokens:
+            self.m.generation_tokens.inc(tokens)
+            if self.last is None:
+                self.m.ttft.observe(now - self.start)
+                self.m.num_waiting_first_token -= 1
+            else:
+                self.m.itl.observe(now - self.last)
+            self.last = now
+        for c in d.outputs:
+            if c.finish_reason is not None:
+                self.m.success.labels(finished_reason=c.finish_reason).inc()
+                self.unfinished -= 1
+        if d.finished:
+            self.m.e2e.observe(now - self.start)
+            met = d.metrics
+            if met is not None and met.first_scheduled_time is not None:
+                self.m.queue.observe(max(0.0, met.first_scheduled_time - met.arrival_time))
+            self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.last is None:
+                self.m.num_waiting_first_token -= 1
+            if self.unfinished > 0:
+                self.m.success.labels(finished_reason="abort").inc(self.unfinished)

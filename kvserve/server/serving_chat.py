@@ -1,0 +1,79 @@
+"""POST /v1/chat/completions: messages through the model's chat template, n, logprobs, streaming."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from kvserve.engine.engine_proc import CompletionDelta
+from kvserve.server import protocol as P
+from kvserve.server.serving import Accum, APIError, Serving
+
+
+class ChatServing(Serving):
+    async def create(self, req: P.ChatCompletionRequest) -> dict[str, Any] | StreamingResponse:
+        self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        toks = self._chat_tokens(req)
+        self.check_prompt(toks, params, "messages")
+        deltas = await self.start([toks], params, req.cache_salt)
+        acc, rid, k = Accum(req.n), P.new_id("chatcmpl"), req.top_logprobs or 0
+        if req.stream:
+            started: set[int] = set()
+
+            def chunk_for(idx: int, c: CompletionDelta) -> P.ChatCompletionChunk | None:
+                if not (c.text or c.finish_reason or c.token_ids):
+                    return None
+                delta = P.ChatDelta(content=c.text)
+                if idx not in started:
+                    started.add(idx)
+                    delta.role = "assistant"
+                lps = self._logprobs(c.logprobs, k) if req.logprobs and c.logprobs else None
+                return P.ChatCompletionChunk(id=rid, model=self.model_name, choices=[P.ChatStreamChoice(
+                    index=idx, delta=delta, logprobs=lps, finish_reason=c.finish_reason)])
+
+            usage = None
+            if req.stream_options is not None and req.stream_options.include_usage:
+                usage = lambda u: P.ChatCompletionChunk(id=rid, model=self.model_name, choices=[], usage=u)  # noqa: E731
+            return StreamingResponse(self.stream_events(deltas, acc, chunk_for, usage),
+                                     media_type="text/event-stream")
+        await self.collect(deltas, acc)
+        choices = [P.ChatChoice(index=i, message=P.ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason,
+                                logprobs=self._logprobs(c.logprobs, k) if req.logprobs else None)
+                   for i, c in sorted(acc.choices.items())]
+        return P.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
+                                        usage=acc.usage()).model_dump()
+
+    def _chat_tokens(self, req: P.ChatCompletionRequest) -> list[int]:
+        msgs = []
+        for m in req.messages:
+            content = m.content
+            if isinstance(content, list):
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise APIError(400, "only text content parts are supported", param="messages")
+                content = "".join(p["text"] for p in content)
+            msgs.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "the model has no chat template; use /v1/completions", param="messages")
+        try:
+            out = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # noqa: BLE001 - templates raise their own errors (e.g. role order)
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    def _logprobs(self, positions: list[dict], k: int) -> P.ChatLogprobs:
+        content = []
+        for pos in positions:
+            tid, lp = next(iter(pos.items()))
+            text = self.token_text(tid, lp)
+            tops = [P.TopLogprob(token=self.token_text(t, v), logprob=v.logprob,
+                                 bytes=list(self.token_text(t, v).encode())) for t, v in self.top_entries(pos, k)]
+            content.append(P.ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()),
+                                              top_logprobs=tops))
+        return P.ChatLogprobs(content=content)

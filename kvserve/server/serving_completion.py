@@ -1,0 +1,129 @@
+"""POST /v1/completions: prompts as text or token ids, n, logprobs, echo, streaming.
+
+echo puts each prompt's text before its completion (and, with logprobs, the
+prompt tokens' logprobs before the completion's, the first one null, as OpenAI
+does). `max_tokens: 0` with echo scores the prompt without generating: the
+engine runs one token, which is dropped from the text and the usage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from kvserve.engine.engine_proc import CompletionDelta
+from kvserve.server import protocol as P
+from kvserve.server.serving import Accum, APIError, Deltas, Serving
+
+
+class CompletionServing(Serving):
+    async def create(self, req: P.CompletionRequest) -> dict[str, Any] | StreamingResponse:
+        self.check_model(req.model)
+        if req.suffix is not None:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        score_only = req.echo and req.max_tokens == 0
+        max_tokens = 1 if score_only else req.max_tokens
+        prompt_lps = req.logprobs if req.echo and req.logprobs is not None else None
+        params = self.sampling_params(req, max_tokens, req.logprobs, prompt_lps)
+        prompts, texts = self._encode(req.prompt)
+        for p in prompts:
+            self.check_prompt(p, params, "prompt")
+        deltas = await self.start(prompts, params, req.cache_salt)
+        if score_only:
+            deltas = _drop_generated(deltas)
+        acc, rid = Accum(req.n), P.new_id("cmpl")
+        echo = _Echo(self, req, prompts, texts, acc)
+        if req.stream:
+            usage = None
+            if req.stream_options is not None and req.stream_options.include_usage:
+                usage = lambda u: P.CompletionResponse(id=rid, model=self.model_name, choices=[], usage=u)  # noqa: E731
+            chunk_for = self._chunker(req, rid, echo)
+            return StreamingResponse(self.stream_events(deltas, acc, chunk_for, usage),
+                                     media_type="text/event-stream")
+        await self.collect(deltas, acc)
+        choices = []
+        for idx, c in sorted(acc.choices.items()):
+            lps = echo.logprobs(idx, c.logprobs, 0, with_prompt=True) if req.logprobs is not None else None
+            choices.append(P.CompletionChoice(index=idx, text=echo.prefix(idx) + c.text, logprobs=lps,
+                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return P.CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=acc.usage()).model_dump()
+
+    def _chunker(self, req: P.CompletionRequest, rid: str, echo: _Echo):
+        offsets: dict[int, int] = {}
+
+        def chunk_for(idx: int, c: CompletionDelta) -> P.CompletionResponse | None:
+            first = idx not in offsets
+            if not (c.text or c.finish_reason or c.token_ids or (first and req.echo)):
+                return None
+            text = (echo.prefix(idx) if first else "") + c.text
+            lps = None
+            if req.logprobs is not None and (c.logprobs or (first and req.echo)):
+                lps = echo.logprobs(idx, c.logprobs or [], offsets.get(idx, 0), with_prompt=first)
+            offsets[idx] = offsets.get(idx, 0) + len(text)
+            return P.CompletionResponse(id=rid, model=self.model_name, choices=[P.CompletionChoice(
+                index=idx, text=text, logprobs=lps, finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+
+        return chunk_for
+
+    def _encode(self, prompt: Any) -> tuple[list[list[int]], list[str | None]]:
+        """Token ids of each prompt, and its text when it was given as text."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        ids = [list(self.tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p) for p in prompt]
+        return ids, [p if isinstance(p, str) else None for p in prompt]
+
+
+class _Echo:
+    """Prompt text and prompt logprobs put before a choice when echo is on."""
+
+    def __init__(self, serving: Serving, req: P.CompletionRequest, prompts: list[list[int]],
+                 texts: list[str | None], acc: Accum) -> None:
+        self.s, self.req, self.prompts, self.texts, self.acc = serving, req, prompts, texts, acc
+
+    def prefix(self, idx: int) -> str:
+        if not self.req.echo:
+            return ""
+        i = idx // self.req.n
+        if self.texts[i] is None:  # token ids: decode once
+            self.texts[i] = self.s.tokenizer.decode(self.prompts[i])
+        return self.texts[i]
+
+    def logprobs(self, idx: int, generated: list[dict], offset: int, with_prompt: bool) -> P.CompletionLogprobs:
+        k, res = self.req.logprobs or 0, P.CompletionLogprobs()
+        if self.req.echo and with_prompt:
+            i = idx // self.req.n
+            plps = self.acc.prompt_logprobs.get(i) or [None] * len(self.prompts[i])
+            for tid, pos in zip(self.prompts[i], plps):
+                text = self.s.tokenizer.decode([tid])
+                res.tokens.append(text)
+                res.token_logprobs.append(pos[tid].logprob if pos and tid in pos else None)
+                res.top_logprobs.append({self.s.token_text(t, v): v.logprob
+                                         for t, v in self.s.top_entries(pos, k)} if pos else None)
+                res.text_offset.append(offset)
+                offset += len(text)
+        for pos in generated:
+            tid, lp = next(iter(pos.items()))
+            text = self.s.token_text(tid, lp)
+            res.tokens.append(text)
+            res.token_logprobs.append(lp.logprob)
+            res.top_logprobs.append({self.s.token_text(t, v): v.logprob for t, v in self.s.top_entries(pos, k)})
+            res.text_offset.append(offset)
+            offset += len(text)
+        return res
+
+
+async def _drop_generated(deltas: Deltas) -> AsyncIterator[Any]:
+    """echo with max_tokens=0: keep usage and prompt logprobs, drop the one generated token."""
+    try:
+        async for i, d in deltas:
+            for c in d.outputs:
+                c.text, c.token_ids, c.logprobs = "", [], None
+            yield i, d
+    finally:
+        await deltas.aclose()

@@ -1,0 +1,134 @@
+"""Start a real `kvserve serve` process for tests, and raw HTTP without a client library."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+MODEL = "tiny"  # --served-model-name of the test servers
+PROMPT = "The quick brown fox jumps over the lazy dog."
+LONG_PROMPT = " ".join(["Paged attention stores keys and values in fixed-size blocks."] * 4)
+TINY_SERVER_ARGS = ["--dtype", "float32", "--num-kv-blocks", "256", "--served-model-name", MODEL]
+
+
+def http_request(method: str, url: str, body: bytes | dict | None = None, headers: dict[str, str] | None = None,
+         timeout: float = 30) -> tuple[int, bytes, dict[str, str]]:
+    """(status, body, headers with lower-case names); HTTP errors are returned, not raised."""
+    if isinstance(body, dict):
+        body = json.dumps(body).encode()
+    req = urllib.request.Request(url, data=body, method=method,
+                                 headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read(), {k.lower(): v for k, v in r.headers.items()}
+    except urllib.error.HTTPError as e:
+        return e.code, e.read(), {k.lower(): v for k, v in e.headers.items()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of `pid`, from /proc."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = (d / "stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+    return out
+
+
+@dataclass
+class Server:
+    base: str
+    proc: subprocess.Popen
+    log: Path
+
+    @property
+    def v1(self) -> str:
+        return f"{self.base}/v1"
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def running_server(args: list[str], log: Path, timeout: float = 180) -> Iterator[Server]:
+    """`kvserve serve ARGS --port P` until healthy; terminated (then killed) on exit."""
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", *args, "--port", str(port)],
+                                stdout=f, stderr=subprocess.STDOUT, env=env)
+    srv = Server(f"http://127.0.0.1:{port}", proc, log)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{srv.log_text()}")
+            with contextlib.suppress(OSError):
+                if http_request("GET", f"{srv.base}/health", timeout=5)[0] == 200:
+                    break
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not healthy after {timeout} s:\n{srv.log_text()}")
+            time.sleep(0.25)
+        yield srv
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+def open_stream(base: str, path: str, body: dict, headers: dict[str, str] | None = None,
+                timeout: float = 60) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """POST and return as soon as the status line is in; read events with `sse_events`."""
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    conn.request("POST", path, body=json.dumps(body), headers={"content-type": "application/json",
+                                                                **(headers or {})})
+    return conn, conn.getresponse()
+
+
+def sse_events(resp: http.client.HTTPResponse) -> Iterator[dict | str]:
+    """The decoded `data:` payloads of an SSE response; "[DONE]" as the string."""
+    for raw in resp:
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+def metric_values(base: str) -> dict[str, float]:
+    """Every sample of /metrics as {'name{label="v"}': value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, body, _ = http_request("GET", f"{base}/metrics")
+    assert status == 200, body
+    out = {}
+    for fam in text_string_to_metric_families(body.decode()):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
