@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup run test
+.PHONY: setup run test redis
 
 setup: $(VENV)/.setup-done
 
@@ -21,5 +21,10 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 run: setup
 	$(VENV)/bin/kvserve serve --host 127.0.0.1 --port 8000
 
-test: setup
+# The remote KV tier's tests start their own redis-server (the Debian package) on loopback.
+redis:
+	@command -v redis-server >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server; }
+
+test: setup redis
 	$(PY) -m pytest -q

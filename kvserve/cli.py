@@ -1,9 +1,10 @@
-"""`kvserve serve | generate | chat | bench` — flag names mirror `vllm serve`."""
+"""`kvserve serve | generate | chat | bench | cache` — flag names mirror `vllm serve`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 EXIT_BAD_INPUT = 2
 
@@ -22,6 +23,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-cache", default="hash", choices=["hash", "radix"])
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="cpu")
+    t = p.add_argument_group("KV tiers (blocks evicted from the KV cache are kept here and loaded back on a hit)")
+    t.add_argument("--kv-offload-cpu", default=None, metavar="SIZE", help="host RAM tier, e.g. 8GiB")
+    t.add_argument("--kv-offload-disk", default=None, metavar="PATH", help="local disk tier directory")
+    t.add_argument("--kv-offload-disk-size", default="50GiB", metavar="SIZE")
+    t.add_argument("--kv-offload-disk-min-hits", type=int, default=0, metavar="N",
+                   help="only blocks hit N times in host RAM go down to disk")
+    t.add_argument("--kv-remote", default=None, metavar="URL", help="shared store, e.g. redis://127.0.0.1:6379")
+    t.add_argument("--kv-remote-min-hits", type=int, default=0, metavar="N")
+    t.add_argument("--kv-remote-write-through", action="store_true",
+                   help="send every new full block to --kv-remote at once (replicas reuse it sooner)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -40,14 +51,23 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """kvserve.LLM keyword arguments from the flags of add_engine_args."""
+    return {"model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
+            "kv_cache_memory": args.kv_cache_memory, "num_kv_blocks": args.num_kv_blocks,
+            "block_size": args.block_size, "enable_prefix_caching": args.enable_prefix_caching,
+            "prefix_cache": args.prefix_cache, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed, "device": args.device,
+            "kv_offload_cpu": args.kv_offload_cpu, "kv_offload_disk": args.kv_offload_disk,
+            "kv_offload_disk_size": args.kv_offload_disk_size, "kv_remote": args.kv_remote,
+            "kv_offload_disk_min_hits": args.kv_offload_disk_min_hits, "kv_remote_min_hits": args.kv_remote_min_hits,
+            "kv_remote_write_through": args.kv_remote_write_through}
+
+
 def engine_from_args(args: argparse.Namespace):
     from kvserve import LLM
 
-    return LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-               kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
-               block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-               prefix_cache=args.prefix_cache, max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, device=args.device)
+    return LLM(**engine_kwargs(args))
 
 
 def sampling_from_args(args: argparse.Namespace):
@@ -125,8 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     from kvserve.bench.throughput import add_bench_parser
+    from kvserve.kv_tiers.cli import add_cache_parser
 
     add_bench_parser(sub)
+    add_cache_parser(sub)
     return parser
 
 

@@ -71,6 +71,37 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class TierConfig:
+    """KV tiers below the device pool (kv_tiers/); each one optional, all off by default."""
+
+    cpu_bytes: int = 0  # host RAM tier size; 0 = no host tier
+    disk_path: str | None = None
+    disk_bytes: int = 50 * 1024**3
+    remote_url: str | None = None  # redis://host:port/db, shared by replicas
+    # Admission: an entry leaving the host tier goes down only if it was hit this often
+    # there (KVBM-style: disk writes are for blocks that get reused).
+    disk_min_hits: int = 0
+    remote_min_hits: int = 0
+    # Also send every newly computed full block to the remote store at once, so other
+    # replicas can reuse a prompt before this one ever evicts it.
+    remote_write_through: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("kv_offload_cpu", self.cpu_bytes, 0)
+        _check_int("kv_offload_disk_size", self.disk_bytes, 1)
+        _check_int("kv_offload_disk_min_hits", self.disk_min_hits, 0)
+        _check_int("kv_remote_min_hits", self.remote_min_hits, 0)
+        if self.remote_url is not None and not re.match(r"^(rediss?|unix)://", self.remote_url):
+            raise ValueError(f"kv_remote must be a redis:// or unix:// URL, got {self.remote_url!r}")
+        if self.remote_write_through and self.remote_url is None:
+            raise ValueError("kv_remote_write_through needs kv_remote")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cpu_bytes or self.disk_path or self.remote_url)
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048

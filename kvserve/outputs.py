@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -49,3 +49,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # num_cached_tokens split by where the K/V came from: "device", "cpu", "disk", "remote"
+    num_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)

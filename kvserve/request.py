@@ -63,6 +63,9 @@ class Request:
 
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # set when first scheduled
+        self.num_cached_tokens_by_tier: dict[str, int] = {}  # the same, split by where the K/V came from
+        self.kv_loading = False  # waiting for KV from a slow tier (kv_connector.py)
+        self.num_blocks_written_through = -1  # full blocks already sent to the remote tier
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []
         # Requests asking for prompt logprobs need every prompt position computed.

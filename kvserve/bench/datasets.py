@@ -222,3 +222,104 @@ def prefix_requests(tokenizer: Any, num_prompts: int, prefix_len: int = 2048, ou
                 if len(out) == num_prompts:
                     break
     return out
+
+
+MULTITURN_MAX_TURNS = 6
+MULTITURN_MAX_PROMPT_LEN = 2048
+_USER, _ASSISTANT = "User: ", "\n\nAssistant:"
+
+
+def _dialogue_pairs(records: Iterable[Any], max_turns: int) -> Iterator[list[tuple[str, str]]]:
+    """(user, reply) pairs of the human/gpt-alternating start of each conversation with >= 2 of them."""
+    for rec in records:
+        conv = rec.get("conversations") if isinstance(rec, dict) else None
+        pairs: list[tuple[str, str]] = []
+        for i in range(0, len(conv) - 1 if isinstance(conv, list) else 0, 2):
+            user, reply = conv[i], conv[i + 1]
+            if len(pairs) == max_turns or not (isinstance(user, dict) and isinstance(reply, dict)):
+                break
+            u, r = user.get("value"), reply.get("value")
+            if (user.get("from"), reply.get("from")) != ("human", "gpt") or not (
+                    isinstance(u, str) and isinstance(r, str) and u.strip() and r.strip()):
+                break
+            pairs.append((u, r))
+        if len(pairs) >= 2:
+            yield pairs
+
+
+def _leading_special_ids(tokenizer: Any) -> list[int]:
+    """What the tokenizer puts before a text (a BOS, say): it starts each session, never a later message."""
+    plain = tokenizer(["a"], add_special_tokens=False)["input_ids"][0]
+    full = list(tokenizer(["a"])["input_ids"][0])
+    for k in range(len(full) - len(plain) + 1):
+        if full[k:k + len(plain)] == list(plain):
+            return full[:k]
+    return []
+
+
+def _pieces(pairs: list[tuple[str, str]]) -> list[str]:
+    """user_0, reply_0, user_1, ...: each user piece ends with the assistant header, so a prompt asks for a reply."""
+    return [piece for k, (user, reply) in enumerate(pairs)
+            for piece in (("\n\n" if k else "") + _USER + user + _ASSISTANT, " " + reply)]
+
+
+def _session(pieces: list[str], ids: list[list[int]], lead: list[int],
+             max_prompt_len: int, max_output_len: int) -> list[BenchRequest]:
+    """Turns of one conversation; `ids` holds each piece's tokens, counted once."""
+    turns: list[BenchRequest] = []
+    prompt_ids, text = list(lead), ""
+    for k in range(0, len(pieces), 2):
+        prompt_ids, text = prompt_ids + ids[k], text + pieces[k]
+        output_len = max(4, min(len(ids[k + 1]), max_output_len))
+        if len(prompt_ids) + output_len > max_prompt_len:
+            break
+        turns.append(BenchRequest(text, len(prompt_ids), output_len, prompt_ids))
+        # The next prompt extends this one by the reference reply, not by what the server generates,
+        # so every run sends the same prompts.
+        prompt_ids, text = prompt_ids + ids[k + 1], text + pieces[k + 1]
+    return turns
+
+
+def multiturn_sessions(tokenizer: Any, num_sessions: int, max_turns: int = MULTITURN_MAX_TURNS,
+                       max_prompt_len: int = MULTITURN_MAX_PROMPT_LEN, max_output_len: int = 256,
+                       seed: int = 0, path: str | Path | None = None,
+                       window: int = SHUFFLE_WINDOW) -> list[list[BenchRequest]]:
+    """`num_sessions` ShareGPT conversations replayed turn by turn: a KV-reuse workload.
+
+    Turn k's prompt is the conversation so far: user_0, reply_0, ..., user_k, with the
+    dataset's reference replies. Each message is tokenized once, without special tokens
+    ("User: ..."/"Assistant:" headers in the text), and the ids are concatenated, so turn
+    k+1's prompt ids are exactly turn k's followed by reply_k's and user_{k+1}'s. output_len
+    is reply_k's token length clamped to 4..max_output_len. A session ends after `max_turns`
+    turns or before the turn whose prompt + output would exceed `max_prompt_len`; sessions
+    with fewer than 2 turns are skipped. Selection is seeded like `load_sharegpt`.
+    """
+    if num_sessions < 1 or max_turns < 2:
+        raise ValueError(f"num_sessions must be at least 1 and max_turns at least 2, "
+                         f"got {num_sessions} and {max_turns}")
+    if max_prompt_len < 8 or max_output_len < 4:
+        raise ValueError(f"max_prompt_len must be at least 8 and max_output_len at least 4, "
+                         f"got {max_prompt_len} and {max_output_len}")
+    src = Path(path) if path is not None else sharegpt_path()
+    convs = _dialogue_pairs(_shuffled(iter_json_array(src), random.Random(seed), window), max_turns)
+    lead = _leading_special_ids(tokenizer)
+    out: list[list[BenchRequest]] = []
+    seen = 0
+    while len(out) < num_sessions:
+        batch = [c for _, c in zip(range(_TOKENIZE_BATCH), convs)]
+        if not batch:
+            raise ValueError(f"only {len(out)} of {seen} multi-turn ShareGPT conversations in {str(src)!r} give "
+                             f"2+ turns within max_prompt_len={max_prompt_len}; asked for {num_sessions}")
+        seen += len(batch)
+        pieces = [_pieces(pairs) for pairs in batch]
+        flat = [piece for conv in pieces for piece in conv]
+        ids = [list(x) for x in tokenizer(flat, add_special_tokens=False)["input_ids"]]
+        start = 0
+        for conv in pieces:
+            turns = _session(conv, ids[start:start + len(conv)], lead, max_prompt_len, max_output_len)
+            start += len(conv)
+            if len(turns) >= 2:
+                out.append(turns)
+                if len(out) == num_sessions:
+                    break
+    return out

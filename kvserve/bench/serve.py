@@ -12,83 +12,43 @@ Timing of one request (time.perf_counter, from just before the HTTP request is s
   TPOT  (E2E - TTFT) / (completion_tokens - 1), for requests with more than one output token.
   E2E   until the stream ends.
 Token counts (prompt, completion, cached) come from the final usage chunk.
+
+`--dataset multiturn` replays ShareGPT conversations: sessions (not requests) arrive as the
+Poisson process and count against the concurrency cap, and a session sends its turns one
+after another, each prompt holding the whole conversation so far. Every turn is a request
+in the stats above; first and later turns' TTFT are also reported apart, since later turns
+are the ones that can reuse the previous turn's KV.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
-import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from kvserve.bench.datasets import (
     BenchRequest,
     load_sharegpt,
+    multiturn_sessions,
     prefix_requests,
     random_requests,
 )
-from kvserve.bench.throughput import DEFAULT_RANDOM_LEN, cpu_model
+from kvserve.bench.serve_report import RequestTiming, ServeBenchResult, format_serve_table, result_dict, summarize
+from kvserve.bench.throughput import DEFAULT_RANDOM_LEN
 
 DEFAULT_PREFIX_LEN = 2048
 DEFAULT_PREFIX_OUTPUT_LEN = 32
+DEFAULT_SHAREGPT_PROMPT_LEN = 512
+DEFAULT_MULTITURN_PROMPT_LEN = 2048
+DEFAULT_MAX_TURNS = 6
 # The server has no key unless started with --api-key; the client library insists on one.
 PLACEHOLDER_API_KEY = "EMPTY"
-
-
-@dataclass
-class RequestTiming:
-    ok: bool = False
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    ttft_s: float = 0.0
-    e2e_s: float = 0.0
-    itl_s: list[float] = field(default_factory=list)
-    error: str = ""
-
-
-@dataclass
-class LatencyStats:
-    """Milliseconds; all zero when there is no sample (no completed request)."""
-
-    mean: float = 0.0
-    median: float = 0.0
-    p99: float = 0.0
-
-
-@dataclass
-class ServeBenchResult:
-    base_url: str
-    model: str
-    dataset: str
-    command: str
-    hardware: str
-    num_prompts: int
-    request_rate: float  # req/s; inf: all requests sent at once
-    max_concurrency: int | None  # None: unlimited
-    completed: int
-    failed: int
-    first_error: str
-    duration_s: float
-    total_prompt_tokens: int
-    total_output_tokens: int
-    total_cached_tokens: int
-    cached_fraction: float  # of the prompt tokens of completed requests
-    request_throughput: float
-    output_throughput: float
-    total_token_throughput: float
-    ttft_ms: LatencyStats
-    tpot_ms: LatencyStats
-    itl_ms: LatencyStats
-    e2e_ms: LatencyStats
 
 
 # ---- command line -------------------------------------------------------------
@@ -98,20 +58,30 @@ def add_serve_bench_parser(bench_sub: Any) -> None:
     p = bench_sub.add_parser("serve", help="online serving load test against an OpenAI-compatible server")
     p.add_argument("--base-url", default="http://127.0.0.1:8000",
                    help="server address; /v1 is appended unless the URL already ends with it")
-    p.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random", "prefix"])
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random", "prefix", "multiturn"],
+                   help="multiturn: ShareGPT conversations sent turn by turn, each prompt the conversation so far")
+    p.add_argument("--num-prompts", type=int, default=100,
+                   help="requests to send; multiturn: sessions (conversations of up to --max-turns requests)")
     p.add_argument("--request-rate", type=float, default=math.inf,
-                   help="Poisson arrival rate in requests/s (default inf: all at once)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no cap)")
+                   help="Poisson arrival rate in requests/s, multiturn: sessions/s (default inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="requests in flight at most, multiturn: sessions in flight (default: no cap)")
     p.add_argument("--seed", type=int, default=0, help="dataset selection and arrival times")
     p.add_argument("--input-len", type=int, default=None,
                    help=f"random: prompt tokens per request (default {DEFAULT_RANDOM_LEN})")
     p.add_argument("--output-len", type=int, default=None,
                    help=f"output tokens per request (random default {DEFAULT_RANDOM_LEN}; prefix default "
-                        f"{DEFAULT_PREFIX_OUTPUT_LEN}; sharegpt default: the reference completion's length)")
+                        f"{DEFAULT_PREFIX_OUTPUT_LEN}; sharegpt, multiturn default: the reference reply's length)")
     p.add_argument("--prefix-len", type=int, default=DEFAULT_PREFIX_LEN, help="prefix: tokens of the shared prompt")
-    p.add_argument("--max-prompt-len", type=int, default=512, help="sharegpt: longest prompt kept")
-    p.add_argument("--max-output-len", type=int, default=256, help="sharegpt: longest completion kept")
+    p.add_argument("--max-prompt-len", type=int, default=None,
+                   help=f"sharegpt: longest prompt kept (default {DEFAULT_SHAREGPT_PROMPT_LEN}); multiturn: a "
+                        f"session ends before a turn whose prompt + output exceed it (default "
+                        f"{DEFAULT_MULTITURN_PROMPT_LEN})")
+    p.add_argument("--max-output-len", type=int, default=256,
+                   help="sharegpt: longest completion kept; multiturn: cap on a turn's output")
+    p.add_argument("--max-turns", type=int, default=DEFAULT_MAX_TURNS, help="multiturn: turns per session at most")
+    p.add_argument("--turn-gap", type=float, default=0.0,
+                   help="multiturn: seconds between a turn's end and the next turn's request (default 0)")
     p.add_argument("--tokenizer", default=None, help="model path for the tokenizer (default: the server's model root)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     p.add_argument("--api-key", default=None, help="bearer token for a server started with --api-key")
@@ -139,6 +109,10 @@ def _check_args(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if args.max_turns < 2:
+        raise ValueError(f"--max-turns must be at least 2, got {args.max_turns}")
+    if not 0 <= args.turn_gap < math.inf:
+        raise ValueError(f"--turn-gap must be >= 0 seconds, got {args.turn_gap}")
 
 
 def _v1_url(base_url: str) -> str:
@@ -162,13 +136,13 @@ async def _run(args: argparse.Namespace) -> ServeBenchResult:
     client = AsyncOpenAI(base_url=base, api_key=args.api_key or PLACEHOLDER_API_KEY, max_retries=0)
     try:
         model, root = await _server_model(client, args)
-        reqs = build_serve_requests(args, _load_tokenizer(args.tokenizer or root))
+        sessions = build_sessions(args, _load_tokenizer(args.tokenizer or root))
         start = time.perf_counter()
-        metrics = await _issue_all(client, model, reqs, args)
+        metrics = await _issue_all(client, model, sessions, args)
         duration = time.perf_counter() - start
     finally:
         await client.close()
-    return summarize(metrics, duration, args, model)
+    return summarize(metrics, duration, args, model, not_sent=sum(map(len, sessions)) - len(metrics))
 
 
 async def _server_model(client: Any, args: argparse.Namespace) -> tuple[str, str | None]:
@@ -205,11 +179,25 @@ def build_serve_requests(args: argparse.Namespace, tokenizer: Any) -> list[Bench
     if args.dataset == "prefix":
         output_len = DEFAULT_PREFIX_OUTPUT_LEN if args.output_len is None else args.output_len
         return prefix_requests(tokenizer, args.num_prompts, args.prefix_len, output_len, seed=args.seed)
-    reqs = load_sharegpt(tokenizer, args.num_prompts, args.max_prompt_len, args.max_output_len, seed=args.seed)
+    max_prompt_len = DEFAULT_SHAREGPT_PROMPT_LEN if args.max_prompt_len is None else args.max_prompt_len
+    reqs = load_sharegpt(tokenizer, args.num_prompts, max_prompt_len, args.max_output_len, seed=args.seed)
     if args.output_len is not None:
         for r in reqs:
             r.output_len = args.output_len
     return reqs
+
+
+def build_sessions(args: argparse.Namespace, tokenizer: Any) -> list[list[BenchRequest]]:
+    """The turns of each session; every dataset but multiturn has one-turn sessions, one per request."""
+    if args.dataset != "multiturn":
+        return [[r] for r in build_serve_requests(args, tokenizer)]
+    max_prompt_len = DEFAULT_MULTITURN_PROMPT_LEN if args.max_prompt_len is None else args.max_prompt_len
+    sessions = multiturn_sessions(tokenizer, args.num_prompts, args.max_turns, max_prompt_len,
+                                  args.max_output_len, seed=args.seed)
+    if args.output_len is not None:
+        for r in (r for turns in sessions for r in turns):
+            r.output_len = args.output_len
+    return sessions
 
 
 def arrival_gaps(n: int, rate: float, seed: int) -> list[float]:
@@ -220,31 +208,37 @@ def arrival_gaps(n: int, rate: float, seed: int) -> list[float]:
     return [rng.expovariate(rate) for _ in range(n)]
 
 
-async def _issue_all(client: Any, model: str, reqs: list[BenchRequest],
+async def _issue_all(client: Any, model: str, sessions: list[list[BenchRequest]],
                      args: argparse.Namespace) -> list[RequestTiming]:
+    """Timings of the turns sent, session by session; a failed turn ends its session."""
     from tqdm import tqdm
 
-    # The cap gates sending, not arrival: a request waiting for a slot is already late,
+    # The cap gates sending, not arrival: a session waiting for a slot is already late,
     # so its queueing shows in its latency as it would for a real client.
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-    bar = tqdm(total=len(reqs), desc="requests", unit="req")
+    bar = tqdm(total=sum(map(len, sessions)), desc="requests", unit="req")
 
-    async def one(req: BenchRequest) -> RequestTiming:
-        if limit is None:
-            m = await send_request(client, model, req, args.cache_salt)
-        else:
-            async with limit:
+    async def session(turns: list[BenchRequest]) -> list[RequestTiming]:
+        timings: list[RequestTiming] = []
+        async with limit if limit is not None else contextlib.nullcontext():
+            for k, req in enumerate(turns):
+                if k and args.turn_gap > 0:
+                    await asyncio.sleep(args.turn_gap)
                 m = await send_request(client, model, req, args.cache_salt)
-        bar.update(1)
-        return m
+                m.turn = k
+                timings.append(m)
+                bar.update(1)
+                if not m.ok:
+                    break
+        return timings
 
     tasks = []
     try:
-        for req, gap in zip(reqs, arrival_gaps(len(reqs), args.request_rate, args.seed)):
+        for turns, gap in zip(sessions, arrival_gaps(len(sessions), args.request_rate, args.seed)):
             if gap > 0:
                 await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(one(req)))
-        return list(await asyncio.gather(*tasks))
+            tasks.append(asyncio.create_task(session(turns)))
+        return [m for timings in await asyncio.gather(*tasks) for m in timings]
     finally:
         for t in tasks:
             t.cancel()
@@ -302,71 +296,3 @@ def _error_message(e: Any) -> str:
         if isinstance(inner, dict) and isinstance(inner.get("message"), str):
             return inner["message"]
     return str(getattr(e, "message", e))
-
-
-# ---- results ------------------------------------------------------------------
-
-
-def latency_stats(seconds: list[float]) -> LatencyStats:
-    if not seconds:
-        return LatencyStats()
-    ms = np.asarray(seconds, dtype=np.float64) * 1000.0
-    return LatencyStats(float(ms.mean()), float(np.median(ms)), float(np.percentile(ms, 99)))
-
-
-def summarize(metrics: list[RequestTiming], duration: float, args: argparse.Namespace,
-              model: str) -> ServeBenchResult:
-    done = [m for m in metrics if m.ok]
-    failed = [m for m in metrics if not m.ok]
-    prompt = sum(m.prompt_tokens for m in done)
-    output = sum(m.completion_tokens for m in done)
-    cached = sum(m.cached_tokens for m in done)
-    duration = max(duration, 1e-9)
-    tpot = [(m.e2e_s - m.ttft_s) / (m.completion_tokens - 1) for m in done if m.completion_tokens > 1]
-    return ServeBenchResult(
-        base_url=args.base_url, model=model, dataset=args.dataset, command=" ".join(sys.argv),
-        hardware=cpu_model(), num_prompts=args.num_prompts, request_rate=args.request_rate,
-        max_concurrency=args.max_concurrency, completed=len(done), failed=len(failed),
-        first_error=failed[0].error if failed else "", duration_s=duration,
-        total_prompt_tokens=prompt, total_output_tokens=output, total_cached_tokens=cached,
-        cached_fraction=cached / prompt if prompt else 0.0, request_throughput=len(done) / duration,
-        output_throughput=output / duration, total_token_throughput=(prompt + output) / duration,
-        ttft_ms=latency_stats([m.ttft_s for m in done]), tpot_ms=latency_stats(tpot),
-        itl_ms=latency_stats([g for m in done for g in m.itl_s]), e2e_ms=latency_stats([m.e2e_s for m in done]))
-
-
-def result_dict(r: ServeBenchResult) -> dict[str, Any]:
-    """asdict, with an infinite rate written as "inf" (JSON has no infinity)."""
-    d = asdict(r)
-    if math.isinf(r.request_rate):
-        d["request_rate"] = "inf"
-    return d
-
-
-def format_serve_table(r: ServeBenchResult) -> str:
-    rows = [
-        ("hardware (client)", r.hardware),
-        ("base url", r.base_url),
-        ("model", r.model),
-        ("dataset", r.dataset),
-        ("command", r.command),
-        ("num prompts", str(r.num_prompts)),
-        ("request rate (req/s)", "inf (all at once)" if math.isinf(r.request_rate) else f"{r.request_rate:g}"),
-        ("max concurrency", "unlimited" if r.max_concurrency is None else str(r.max_concurrency)),
-        ("completed / failed", f"{r.completed} / {r.failed}"),
-        ("duration (s)", f"{r.duration_s:.2f}"),
-        ("total prompt tokens", str(r.total_prompt_tokens)),
-        ("total output tokens", str(r.total_output_tokens)),
-        ("request throughput (req/s)", f"{r.request_throughput:.3f}"),
-        ("output token throughput (tok/s)", f"{r.output_throughput:.1f}"),
-        ("total token throughput (tok/s)", f"{r.total_token_throughput:.1f}"),
-        ("prompt tokens from cache", f"{r.cached_fraction:.1%} ({r.total_cached_tokens})"),
-    ]
-    for name, s in (("TTFT", r.ttft_ms), ("TPOT", r.tpot_ms), ("ITL", r.itl_ms), ("E2E latency", r.e2e_ms)):
-        rows.append((f"{name} mean / median / p99 (ms)", f"{s.mean:.2f} / {s.median:.2f} / {s.p99:.2f}"))
-    width = max(len(k) for k, _ in rows)
-    lines = [f"{k:<{width}}  {v}" for k, v in rows]
-    if r.first_error:
-        lines.append(f"first error: {r.first_error}")
-    rule = "-" * min(100, max(len(line) for line in lines))
-    return "\n".join([rule, *lines, rule])

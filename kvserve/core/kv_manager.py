@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from kvserve.core.block_pool import BlockPool
+from kvserve.core.kv_connector import KVConnector
 from kvserve.core.prefix_cache import HashPrefixCache, PrefixCache
 from kvserve.core.radix_cache import RadixPrefixCache
 from kvserve.request import Request
@@ -60,6 +61,21 @@ class KVCacheManager:
         return self.pool.num_used / self.num_blocks
 
     # ---- scheduler API ------------------------------------------------------
+
+    def attach_connector(self, connector: KVConnector) -> None:
+        """Send every block the prefix cache evicts to the KV tiers."""
+        if self.cache is None:
+            raise ValueError("KV offload tiers need prefix caching; drop --no-enable-prefix-caching")
+        if not self.cache.supports_tiers:
+            raise ValueError("KV offload tiers key blocks by chain hash: use --prefix-cache hash")
+        self.cache.evict_listener = connector.on_evict
+
+    def num_cached_blocks(self, request: Request) -> int:
+        """Full prompt blocks cached on the device now (a lookup only: no stats, no references)."""
+        if self.cache is None or request.skip_prefix_cache:
+            return 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return len(self.cache.match(request, max_blocks)) if max_blocks > 0 else 0
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         if self.cache is None or request.skip_prefix_cache:

@@ -17,10 +17,11 @@ import hashlib
 import struct
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvserve.core.block_pool import BlockPool
+from kvserve.core.kv_connector import EvictedBlock
 from kvserve.request import Request
 
 _HASH_DOMAIN = b"kvserve.block.v1"
@@ -83,6 +84,11 @@ class PrefixCache(ABC):
     def __init__(self, block_size: int, pool: BlockPool) -> None:
         self.block_size = block_size
         self.pool = pool
+        # Told about every block `evict` drops (the KV tiers offload it), if the
+        # implementation can name its content by chain hash (see supports_tiers).
+        self.evict_listener: Callable[[EvictedBlock], None] | None = None
+
+    supports_tiers = False
 
     @abstractmethod
     def match(self, request: Request, max_blocks: int) -> list[int]:
@@ -166,6 +172,8 @@ class HashPrefixCache(PrefixCache):
     `evict` pops from the front. Evicting a head whose tail is still cached
     leaves the tail unreachable until it is evicted too, which is harmless.
     """
+
+    supports_tiers = True
 
     def __init__(self, block_size: int, pool: BlockPool) -> None:
         super().__init__(block_size, pool)
@@ -253,6 +261,8 @@ class HashPrefixCache(PrefixCache):
             del self._by_hash[e.hash]
             del self._by_uid[e.uid]
             out.append(b)
+            if self.evict_listener is not None:
+                self.evict_listener(EvictedBlock(b, e.hash, e.parent_hash, e.tokens))
         return out
 
     def forget(self, request: Request) -> None:
@@ -280,6 +290,10 @@ class HashPrefixCache(PrefixCache):
 
     def cached_block_ids(self) -> set[int]:
         return set(self._by_block)
+
+    def cached_blocks(self) -> list[EvictedBlock]:
+        """Every cached block with its content identity (for saving them to a KV tier)."""
+        return [EvictedBlock(b, e.hash, e.parent_hash, e.tokens) for b, e in self._by_block.items()]
 
     def check_integrity(self) -> None:
         assert len(self._by_hash) == len(self._by_block) == len(self._by_uid), \

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
+from kvserve.core.kv_connector import DEVICE_TIER, EvictedBlock, KVConnector, TierHit
 from kvserve.core.kv_manager import KVCacheManager
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
@@ -50,6 +51,10 @@ class SchedulerOutput:
     # Requests the model runner should forget (finished or aborted since the last step).
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # KV tier copies (kv_connector.py), done before the forward: offloads first, since
+    # an evicted block may be refilled by an onload or by this very step.
+    kv_offload: list[EvictedBlock] = field(default_factory=list)
+    kv_onload: list[tuple[int, TierHit]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -57,9 +62,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
+                 connector: KVConnector | None = None) -> None:
         self.config = config
         self.kv = kv_manager
+        self.connector = connector
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # kept sorted by _order_key
         self.running: list[Request] = []
@@ -73,6 +80,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self._order[request.request_id] = (request.priority, request.arrival_time, next(self._seq))
+        if self.connector is not None and not request.skip_prefix_cache:
+            request.kv_loading = self.connector.prefetch(request, self.kv.num_cached_blocks(request))
         self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
@@ -95,6 +104,8 @@ class Scheduler:
         req.finished_time = time.time()
         self.kv.free(req)
         self._finished_ids.add(req.request_id)
+        if self.connector is not None:
+            self.connector.cancel(req.request_id)
         del self.requests[req.request_id]
         del self._order[req.request_id]
 
@@ -114,10 +125,22 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
+        if self.connector is not None:
+            for rid in self.connector.poll():
+                req = self.requests.get(rid)
+                if req is not None:
+                    req.kv_loading = False
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
+        if self.connector is not None:
+            out.kv_offload = self.connector.take_offloads()
         return out
+
+    @property
+    def num_loading(self) -> int:
+        """Waiting requests held back until their KV arrives from a slow tier."""
+        return sum(1 for r in self.waiting if r.kv_loading)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Serve running requests in order; num_computed_tokens advances as they are scheduled."""
@@ -159,23 +182,29 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.pop(0)
-            if req.leader_id is not None and not self._fork_from_leader(req, out):
+            if req.kv_loading or (req.leader_id is not None and not self._fork_from_leader(req, out)):
                 skipped.append(req)
                 continue
             computed: list[int] = []
+            hits: list[TierHit] = []
             num_cached = req.num_computed_tokens  # > 0 only after a fork
             if not req.block_ids:
                 computed, num_cached = self.kv.get_computed_blocks(req)
-            num_new = min(req.num_tokens - num_cached, budget)
-            blocks = self.kv.allocate_slots(req, num_new, computed)
+                hits = self._tier_hits(req, len(computed))
+            num_loaded = len(hits) * self.kv.block_size
+            num_new = min(req.num_tokens - num_cached - num_loaded, budget)
+            blocks = self.kv.allocate_slots(req, num_loaded + num_new, computed)
             if blocks is None:
                 self.kv.free(req)  # undoes a fork; a no-op otherwise
                 req.num_computed_tokens = 0
                 self.waiting.insert(0, req)
                 break
+            out.kv_onload.extend(zip(blocks, hits))  # the first new blocks take the loaded K/V
+            num_cached += num_loaded
             req.num_computed_tokens = num_cached + num_new
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
+                req.num_cached_tokens_by_tier = _by_tier(num_cached - num_loaded, hits, self.kv.block_size)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
@@ -187,6 +216,12 @@ class Scheduler:
             budget -= num_new
         for req in skipped:
             self._enqueue(req)
+
+    def _tier_hits(self, req: Request, num_device_blocks: int) -> list[TierHit]:
+        if self.connector is None or req.skip_prefix_cache:
+            return []
+        # As for device hits: never the whole sequence, the last token must run.
+        return self.connector.lookup(req, num_device_blocks, (req.num_tokens - 1) // self.kv.block_size)
 
     def _fork_from_leader(self, req: Request, out: SchedulerOutput) -> bool:
         """n > 1: share the leader's full prompt blocks once it has computed them."""
@@ -239,3 +274,10 @@ class Scheduler:
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def _by_tier(num_device_tokens: int, hits: list[TierHit], block_size: int) -> dict[str, int]:
+    split = {DEVICE_TIER: num_device_tokens}
+    for h in hits:
+        split[h.origin] = split.get(h.origin, 0) + block_size
+    return split

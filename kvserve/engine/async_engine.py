@@ -34,7 +34,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kvserve.engine.engine_proc import (ABORT, ADD, ERROR, FATAL, OUTPUTS, READY, SHUTDOWN, STATS,
+from kvserve.engine.engine_proc import (ABORT, ADD, CLEAR_CACHE, ERROR, FATAL, OUTPUTS, READY, SHUTDOWN, STATS,
                                         STATS_RESULT, AbortMsg, AddMsg, ModelInfo, RequestDelta, ShutdownMsg, StatsMsg,
                                         decode, encode, params_to_wire, run_engine_process)
 from kvserve.sampling_params import SamplingParams
@@ -171,12 +171,19 @@ class AsyncEngine:
 
     async def stats(self, timeout: float = 30.0) -> dict[str, float | int]:
         """EngineCore.stats() from the engine process, plus num_requests (open requests)."""
+        return await self._query(STATS, timeout)
+
+    async def clear_kv_cache(self, timeout: float = 60.0) -> dict[str, int]:
+        """EngineCore.clear_kv_cache() in the engine process: entries removed per tier."""
+        return await self._query(CLEAR_CACHE, timeout)
+
+    async def _query(self, kind: str, timeout: float) -> dict[str, Any]:
         self._check_alive()
         qid = next(self._query_ids)
         fut = asyncio.get_running_loop().create_future()
         self._stats_waiters[qid] = fut
         try:
-            self._send(StatsMsg(type=STATS, query_id=qid))
+            self._send(StatsMsg(type=kind, query_id=qid))
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._stats_waiters.pop(qid, None)

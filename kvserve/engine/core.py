@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig, TierConfig
 from kvserve.core.kv_manager import KVCacheManager
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.output_processor import OutputProcessor
@@ -29,7 +29,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 class EngineCore:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, device: str = "cpu",
-                 check_integrity: bool = False) -> None:
+                 check_integrity: bool = False, tier_config: TierConfig | None = None) -> None:
         torch.manual_seed(model_config.seed)
         loaded = load_model(model_config.model, model_config.dtype, device)
         self.model_config = model_config
@@ -51,7 +51,8 @@ class EngineCore:
         self.runner.eos_token_id = self.eos_token_id
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                  cache_config.prefix_cache)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv)
+        self.tiers = self._tiers(tier_config) if tier_config is not None and tier_config.enabled else None
+        self.scheduler = Scheduler(self.scheduler_config, self.kv, self.tiers)
         self.processor = OutputProcessor(self.tokenizer)
         self.check_integrity = check_integrity
         self._ids = itertools.count()
@@ -72,6 +73,15 @@ class EngineCore:
         if n < 1:
             raise ValueError(f"kv_cache_memory ({memory} bytes) is too small to hold one KV block")
         return int(n)
+
+    def _tiers(self, cfg: TierConfig):
+        from kvserve.kv_tiers.manager import TierManager, model_fingerprint
+
+        shape = self.runner.kv_block_shape
+        tiers = TierManager(cfg, model_fingerprint(self.model_path, self.dtype, shape),
+                            self.cache_config.block_size, shape, self.dtype)
+        self.kv.attach_connector(tiers)
+        return tiers
 
     def _eos_token_id(self) -> int | None:
         eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -152,10 +162,17 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()
+        if self.tiers is not None:
+            self.tiers.transfer(so.kv_offload, so.kv_onload, self.runner)
+            if not so.num_scheduled_tokens and self.scheduler.num_loading:
+                self.tiers.wait(0.01)  # only requests waiting on a slow tier: don't spin
         if so.num_scheduled_tokens or so.finished_req_ids:
             ro = self.runner.execute(so)
         else:
             ro = ModelRunnerOutput()
+        if self.tiers is not None and self.tiers.cfg.remote_write_through:
+            reqs = [self.scheduler.requests[r] for r in so.num_scheduled_tokens if r in self.scheduler.requests]
+            self.tiers.write_through(reqs, self.runner)
         updated = self.scheduler.update(so, ro.sampled)
         outputs, stopped = self.processor.process(updated, ro)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
@@ -177,4 +194,23 @@ class EngineCore:
             "prefix_cache_queries": self.kv.prefix_cache_queries,
             "prefix_cache_hits": self.kv.prefix_cache_hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            **(self.tiers.stats() if self.tiers is not None else {}),
         }
+
+    def clear_kv_cache(self) -> dict[str, int]:
+        """Empty the device prefix cache (if no request holds blocks) and every KV tier;
+        returns the entries removed per tier."""
+        idle = self.kv.cache.num_evictable if self.kv.cache is not None else 0
+        out = {"device": idle if self.kv.reset_prefix_cache() else 0}
+        if self.tiers is not None:
+            out.update(self.tiers.clear())
+        return out
+
+    def close(self) -> None:
+        """Stop the KV tiers' background threads once their queued writes are done."""
+        if self.tiers is not None:
+            self.tiers.flush()
+            if self.kv.cache is not None:
+                self.tiers.persist(self.kv.cache.cached_blocks(), self.runner)
+            self.tiers.close()
+            self.tiers = None

@@ -40,7 +40,7 @@ IDLE_POLL_MS = 500
 # ---- message schema -------------------------------------------------------
 
 # parent -> child
-ADD, ABORT, STATS, SHUTDOWN = "add", "abort", "stats", "shutdown"
+ADD, ABORT, STATS, CLEAR_CACHE, SHUTDOWN = "add", "abort", "stats", "clear_cache", "shutdown"
 # child -> parent
 READY, OUTPUTS, ERROR, STATS_RESULT, FATAL = "ready", "outputs", "error", "stats_result", "fatal"
 
@@ -61,7 +61,7 @@ class AbortMsg(TypedDict):
 
 
 class StatsMsg(TypedDict):
-    type: Literal["stats"]
+    type: Literal["stats", "clear_cache"]  # clear_cache answers with what it removed
     query_id: int
 
 
@@ -104,6 +104,7 @@ class RequestDeltaWire(TypedDict):
     finished: bool
     num_prompt_tokens: int
     num_cached_tokens: int
+    cached_tokens_by_tier: dict[str, int]
     prompt_logprobs: list[WireLogprobs | None] | None  # sent once, with the first token
     metrics: dict[str, float | None] | None
 
@@ -188,6 +189,7 @@ class RequestDelta:
     num_cached_tokens: int
     prompt_logprobs: list[PositionLogprobs | None] | None
     metrics: RequestMetrics | None
+    cached_tokens_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_wire(cls, d: RequestDeltaWire) -> RequestDelta:
@@ -196,7 +198,8 @@ class RequestDelta:
             plp = [None if p is None else logprobs_from_wire(p) for p in plp]
         metrics = RequestMetrics(**d["metrics"]) if d["metrics"] is not None else None
         return cls(d["request_id"], [CompletionDelta.from_wire(c) for c in d["completions"]],
-                   d["finished"], d["num_prompt_tokens"], d["num_cached_tokens"], plp, metrics)
+                   d["finished"], d["num_prompt_tokens"], d["num_cached_tokens"], plp, metrics,
+                   d["cached_tokens_by_tier"])
 
 
 # ---- child side: turning cumulative RequestOutputs into deltas -------------
@@ -252,7 +255,8 @@ class DeltaTracker:
         m = out.metrics
         return RequestDeltaWire(request_id=out.request_id, completions=comps, finished=out.finished,
                                 num_prompt_tokens=len(out.prompt_token_ids),
-                                num_cached_tokens=out.num_cached_tokens, prompt_logprobs=plp,
+                                num_cached_tokens=out.num_cached_tokens,
+                                cached_tokens_by_tier=out.num_cached_tokens_by_tier, prompt_logprobs=plp,
                                 metrics=dataclasses.asdict(m) if m is not None else None)
 
     def _completion(self, tr: _Tracked, co) -> CompletionDeltaWire | None:
@@ -283,7 +287,8 @@ class DeltaTracker:
                                      finish_reason="abort", stop_reason=None)
                  for i, s in tr.completions.items() if not s.finished]
         return RequestDeltaWire(request_id=request_id, completions=comps, finished=True, num_prompt_tokens=0,
-                                num_cached_tokens=0, prompt_logprobs=None, metrics=None)
+                                num_cached_tokens=0, cached_tokens_by_tier={}, prompt_logprobs=None,
+                                metrics=None)
 
 
 # ---- child side: the loop ---------------------------------------------------
@@ -342,6 +347,9 @@ class EngineLoop:
         elif kind == STATS:
             stats = dict(self.engine.stats(), num_requests=len(self.tracker.requests))
             self.out.send(encode(StatsResultMsg(type=STATS_RESULT, query_id=msg["query_id"], stats=stats)))
+        elif kind == CLEAR_CACHE:
+            cleared = self.engine.clear_kv_cache()
+            self.out.send(encode(StatsResultMsg(type=STATS_RESULT, query_id=msg["query_id"], stats=cleared)))
         elif kind == SHUTDOWN:
             self.stopping = True
         else:
@@ -390,6 +398,7 @@ def run_engine_process(engine_kwargs: dict[str, Any], input_addr: str, output_ad
     inp.setsockopt(zmq.LINGER, 0)
     inp.connect(input_addr)
     code = 0
+    engine = None
     try:
         engine = build_engine(engine_kwargs)
         out.send(encode(ready_message(engine, engine_kwargs)))
@@ -399,6 +408,8 @@ def run_engine_process(engine_kwargs: dict[str, Any], input_addr: str, output_ad
         out.send(encode(FatalMsg(type=FATAL, message=f"{type(e).__name__}: {e}",
                                  traceback=traceback.format_exc())))
     finally:
+        if engine is not None:
+            engine.close()  # queued KV tier writes reach the disk before we go
         inp.close()
         out.close()
         ctx.term()

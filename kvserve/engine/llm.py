@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from kvserve.config import CacheConfig, ModelConfig, parse_size
+from kvserve.config import CacheConfig, ModelConfig, TierConfig, parse_size
 from kvserve.engine.core import EngineCore
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -21,14 +21,27 @@ class LLM:
                  kv_cache_memory: int | str | None = None, num_kv_blocks: int | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True, prefix_cache: str = "hash",
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, seed: int = 0,
-                 device: str = "cpu", check_integrity: bool = False) -> None:
+                 device: str = "cpu", check_integrity: bool = False, kv_offload_cpu: int | str | None = None,
+                 kv_offload_disk: str | None = None, kv_offload_disk_size: int | str = "50GiB",
+                 kv_remote: str | None = None, kv_offload_disk_min_hits: int = 0, kv_remote_min_hits: int = 0,
+                 kv_remote_write_through: bool = False) -> None:
+        """kv_offload_cpu / kv_offload_disk / kv_remote: KV tiers below the device pool (sizes like '8GiB')."""
         memory = parse_size(kv_cache_memory, "kv_cache_memory") if kv_cache_memory is not None else None
+        tiers = TierConfig(
+            cpu_bytes=parse_size(kv_offload_cpu, "kv_offload_cpu") if kv_offload_cpu is not None else 0,
+            disk_path=kv_offload_disk, disk_bytes=parse_size(kv_offload_disk_size, "kv_offload_disk_size"),
+            remote_url=kv_remote, disk_min_hits=kv_offload_disk_min_hits, remote_min_hits=kv_remote_min_hits,
+            remote_write_through=kv_remote_write_through)
         self.engine = EngineCore(
             ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
             CacheConfig(block_size=block_size, kv_cache_memory=memory, num_kv_blocks=num_kv_blocks,
                         enable_prefix_caching=enable_prefix_caching, prefix_cache=prefix_cache),
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, device=device,
-            check_integrity=check_integrity)
+            check_integrity=check_integrity, tier_config=tiers)
+
+    def close(self) -> None:
+        """Finish the KV tiers' queued writes and stop their threads (also at interpreter exit)."""
+        self.engine.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -30,6 +30,7 @@ class _Parent:
     metrics: RequestMetrics
     prompt_logprobs: list[PositionLogprobs | None] | None
     num_cached_tokens: int = 0
+    num_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     finished_children: set[str] = field(default_factory=set)
 
 
@@ -87,6 +88,7 @@ class OutputProcessor:
             m.last_token_time = now
             if child.index == 0:
                 parent.num_cached_tokens = max(req.num_cached_tokens, 0)
+                parent.num_cached_tokens_by_tier = req.num_cached_tokens_by_tier
         return [self._output(p) for p in touched.values()], stopped
 
     def abort(self, request_id: str) -> None:
@@ -147,4 +149,4 @@ class OutputProcessor:
         outs = sorted((c.completion for c in parent.children.values()), key=lambda c: c.index)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
                              parent.prompt_logprobs, outs, finished, parent.num_cached_tokens,
-                             parent.metrics)
+                             parent.metrics, dict(parent.num_cached_tokens_by_tier))

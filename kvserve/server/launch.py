@@ -38,14 +38,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         f"with Retry-After (default {DEFAULT_MAX_WAITING})")
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-                enable_prefix_caching=args.enable_prefix_caching, prefix_cache=args.prefix_cache,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                seed=args.seed, device=args.device)
-
-
 def _check_args(args: argparse.Namespace) -> None:
     if args.model_pos is not None:
         if args.model is not None and args.model != args.model_pos:
@@ -58,12 +50,13 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    from kvserve.cli import engine_kwargs
     from kvserve.engine.async_engine import AsyncEngine
     from kvserve.models.loader import load_tokenizer
     from kvserve.server.openai_api import build_app
 
     tokenizer = load_tokenizer(args.model)
-    engine = await AsyncEngine.start(**_engine_kwargs(args))
+    engine = await AsyncEngine.start(**engine_kwargs(args))
     try:
         info = engine.model_info
         name = args.served_model_name or Path(args.model.rstrip("/") if args.model else info.model_path).stem

@@ -53,6 +53,30 @@ class _EngineCollector(Collector):
                                   value=s["prefix_cache_hits"])
         yield CounterMetricFamily(f"{PREFIX}num_preemptions", "Requests preempted (to be recomputed).",
                                   value=s["num_preemptions"])
+        yield from _tier_metrics(s)
+
+
+_TIER_METRICS = (  # (stat suffix, metric name, kind, help)
+    ("queries", "kv_tier_queries", CounterMetricFamily, "Prompt tokens looked up in a KV tier."),
+    ("hits", "kv_tier_hits", CounterMetricFamily, "Prompt tokens found in a KV tier."),
+    ("bytes_offloaded", "kv_tier_bytes_offloaded", CounterMetricFamily, "Bytes of KV written to a tier."),
+    ("bytes_used", "kv_tier_usage_bytes", GaugeMetricFamily, "Bytes held by a tier."),
+    ("capacity_bytes", "kv_tier_capacity_bytes", GaugeMetricFamily, "A tier's size limit (0: managed elsewhere)."),
+    ("available", "kv_tier_available", GaugeMetricFamily, "1 while the tier is reachable."),
+)
+
+
+def _tier_metrics(s: dict[str, float | int]) -> Iterator[Metric]:
+    tiers = [t for t in ("cpu", "disk", "remote") if f"kv_tier_{t}_queries" in s]
+    if not tiers:
+        return
+    for suffix, name, kind, doc in _TIER_METRICS:
+        fam = kind(f"{PREFIX}{name}", doc, labels=["tier"])
+        for t in tiers:
+            fam.add_metric([t], float(s[f"kv_tier_{t}_{suffix}"]))
+        yield fam
+    yield CounterMetricFamily(f"{PREFIX}kv_tier_bytes_onloaded", "Bytes of KV loaded back into the KV cache.",
+                              value=s["kv_tier_bytes_onloaded"])
 
 
 class ServerMetrics:

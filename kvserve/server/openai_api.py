@@ -99,6 +99,17 @@ def build_app(engine: AsyncEngine, tokenizer: Any, served_model_name: str, api_k
     async def prometheus() -> Response:
         return Response(await metrics.render(engine), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/kv_cache/stats", dependencies=v1)
+    async def kv_cache_stats() -> dict:
+        """KV cache and KV tier usage and counters (kvserve extension)."""
+        s = await engine.stats()
+        return {k: v for k, v in s.items() if k.startswith(("kv_", "prefix_cache_"))}
+
+    @app.post("/kv_cache/clear", dependencies=v1)
+    async def kv_cache_clear() -> dict:
+        """Empty the prefix cache and every KV tier (kvserve extension)."""
+        return {"cleared": await engine.clear_kv_cache()}
+
     @app.get("/v1/models", dependencies=v1)
     async def models() -> dict:
         card = P.ModelCard(id=served_model_name, root=info.model_path, max_model_len=info.max_model_len)

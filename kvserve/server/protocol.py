@@ -75,6 +75,8 @@ def new_id(prefix: str) -> str:
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
+    # kvserve extension: cached_tokens split by the tier the K/V came from (device, cpu, disk, remote)
+    cached_tokens_by_tier: dict[str, int] = Field(default_factory=dict)
 
 
 class Usage(BaseModel):

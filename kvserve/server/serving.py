@@ -72,12 +72,14 @@ class Accum:
     choices: dict[int, Choice] = field(default_factory=dict)
     prompt_tokens: dict[int, int] = field(default_factory=dict)
     cached_tokens: dict[int, int] = field(default_factory=dict)
+    cached_by_tier: dict[int, dict[str, int]] = field(default_factory=dict)
     prompt_logprobs: dict[int, list] = field(default_factory=dict)
 
     def add(self, prompt_idx: int, d: RequestDelta) -> list[tuple[int, CompletionDelta]]:
         if d.num_prompt_tokens:  # the abort delta carries zeros
             self.prompt_tokens[prompt_idx] = d.num_prompt_tokens
             self.cached_tokens[prompt_idx] = d.num_cached_tokens
+            self.cached_by_tier[prompt_idx] = d.cached_tokens_by_tier
         if d.prompt_logprobs is not None:
             self.prompt_logprobs[prompt_idx] = d.prompt_logprobs
         out = []
@@ -95,8 +97,13 @@ class Accum:
     def usage(self) -> P.Usage:
         prompt = sum(self.prompt_tokens.values())
         completion = sum(len(c.token_ids) for c in self.choices.values())
+        by_tier: dict[str, int] = {}
+        for split in self.cached_by_tier.values():
+            for tier, n in split.items():
+                by_tier[tier] = by_tier.get(tier, 0) + n
+        details = P.PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values()), cached_tokens_by_tier=by_tier)
         return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                       prompt_tokens_details=P.PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values())))
+                       prompt_tokens_details=details)
 
 
 class Serving:

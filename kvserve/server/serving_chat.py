@@ -36,9 +36,10 @@ class ChatServing(Serving):
                 return P.ChatCompletionChunk(id=rid, model=self.model_name, choices=[P.ChatStreamChoice(
                     index=idx, delta=delta, logprobs=lps, finish_reason=c.finish_reason)])
 
-            usage = None
-            if req.stream_options is not None and req.stream_options.include_usage:
-                usage = lambda u: P.ChatCompletionChunk(id=rid, model=self.model_name, choices=[], usage=u)  # noqa: E731
+            def usage_chunk(u: P.Usage) -> P.ChatCompletionChunk:
+                return P.ChatCompletionChunk(id=rid, model=self.model_name, choices=[], usage=u)
+
+            usage = usage_chunk if req.stream_options is not None and req.stream_options.include_usage else None
             return StreamingResponse(self.stream_events(deltas, acc, chunk_for, usage),
                                      media_type="text/event-stream")
         await self.collect(deltas, acc)

@@ -36,9 +36,10 @@ class CompletionServing(Serving):
         acc, rid = Accum(req.n), P.new_id("cmpl")
         echo = _Echo(self, req, prompts, texts, acc)
         if req.stream:
-            usage = None
-            if req.stream_options is not None and req.stream_options.include_usage:
-                usage = lambda u: P.CompletionResponse(id=rid, model=self.model_name, choices=[], usage=u)  # noqa: E731
+            def usage_chunk(u: P.Usage) -> P.CompletionResponse:
+                return P.CompletionResponse(id=rid, model=self.model_name, choices=[], usage=u)
+
+            usage = usage_chunk if req.stream_options is not None and req.stream_options.include_usage else None
             chunk_for = self._chunker(req, rid, echo)
             return StreamingResponse(self.stream_events(deltas, acc, chunk_for, usage),
                                      media_type="text/event-stream")
@@ -69,9 +70,7 @@ class CompletionServing(Serving):
 
     def _encode(self, prompt: Any) -> tuple[list[list[int]], list[str | None]]:
         """Token ids of each prompt, and its text when it was given as text."""
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        elif prompt and isinstance(prompt[0], int):
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")

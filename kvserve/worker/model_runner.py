@@ -66,6 +66,31 @@ class ModelRunner:
         self.requests: dict[str, _ReqState] = {}
         self.eos_token_id: int | None = None
 
+    # ---- KV blocks in and out (the KV tiers, kv_tiers/manager.py) -------------
+
+    @property
+    def kv_block_shape(self) -> tuple[int, ...]:
+        """One block's K/V as read_kv_blocks returns it: [layers, 2, block_size, kv_heads, head_dim]."""
+        k = self.kv_caches[0][0]
+        return (len(self.kv_caches), 2, *k.shape[1:])
+
+    @torch.inference_mode()
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A host copy of these blocks' K/V, [n, *kv_block_shape]."""
+        idx = torch.tensor(block_ids, device=self.device)
+        per_layer = [torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1)
+                     for k, v in self.kv_caches]
+        return torch.stack(per_layer, dim=1).cpu()
+
+    @torch.inference_mode()
+    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Fill these blocks with K/V laid out as read_kv_blocks returns them."""
+        idx = torch.tensor(block_ids, device=self.device)
+        data = data.to(self.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k.index_copy_(0, idx, data[:, layer, 0])
+            v.index_copy_(0, idx, data[:, layer, 1])
+
     # ---- state ------------------------------------------------------------
 
     def _update_states(self, so: SchedulerOutput) -> None:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import math
 
 import pytest
 
-from kvserve.bench.datasets import prefix_requests
-from kvserve.bench.serve import arrival_gaps, format_serve_table, run_serve_bench
+from kvserve.bench.datasets import multiturn_sessions, prefix_requests
+from kvserve.bench.serve import arrival_gaps, run_serve_bench
+from kvserve.bench.serve_report import format_serve_table
 from kvserve.cli import build_parser, main
 from tests.serving import free_port, running_server
 
@@ -28,6 +30,13 @@ def server(model_dir, tmp_path_factory):
     args = ["--model", str(model_dir), "--dtype", "float32", "--num-kv-blocks", "256", "--served-model-name", "tiny"]
     with running_server(args, log) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from kvserve.models.loader import load_tokenizer
+
+    return load_tokenizer(str(model_dir))
 
 
 def bench(*flags: str):
@@ -82,6 +91,9 @@ def test_failed_requests_are_counted_not_timed(server):
     (["--max-concurrency", "0"], "--max-concurrency"),
     (["--output-len", "0"], "--output-len"),
     (["--prefix-len", "0"], "--prefix-len"),
+    (["--max-turns", "1"], "--max-turns"),
+    (["--turn-gap", "-1"], "--turn-gap"),
+    (["--turn-gap", "nan"], "--turn-gap"),
 ])
 def test_bad_flags(flags, flag):
     with pytest.raises(ValueError, match=flag):
@@ -134,3 +146,109 @@ def test_prefix_dataset_through_cli_reuses_the_cache(server, tmp_path, capsys):
         assert (n - 1) * prefix_len <= r["total_cached_tokens"] < n * prefix_len
         assert r["cached_fraction"] > 0.5
         assert r["cached_fraction"] == pytest.approx(r["total_cached_tokens"] / r["total_prompt_tokens"])
+
+
+class BosWordTokenizer:
+    """Whitespace words -> stable ids, with a BOS (id 1) unless add_special_tokens=False."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+
+    def __call__(self, texts, add_special_tokens=True):
+        lead = [1] if add_special_tokens else []
+        return {"input_ids": [lead + [self.ids.setdefault(w, len(self.ids) + 3) for w in t.split()] for t in texts]}
+
+
+def _write_conversations(path, convs):
+    recs = [{"id": str(i), "conversations": [{"from": f, "value": v} for f, v in conv]} for i, conv in enumerate(convs)]
+    path.write_text(json.dumps(recs))
+
+
+def test_multiturn_sessions_follow_the_alternating_turns(tmp_path):
+    three = [("human", "one two"), ("gpt", "a b c d e"), ("human", "three"), ("gpt", "f g"),
+             ("human", "four five six"), ("gpt", "h i j k l m n o p q")]
+    path = tmp_path / "conv.json"
+    _write_conversations(path, [
+        three,
+        [("gpt", "x y"), ("human", "z"), ("gpt", "w"), ("human", "v"), ("gpt", "u")],  # starts with the reply
+        [("human", "only"), ("gpt", "one pair")],
+        [("human", "p"), ("gpt", "q r"), ("human", "s"), ("gpt", "t u v w"), ("gpt", "x"), ("human", "y")],
+        [("system", "be nice"), ("human", "p"), ("gpt", "q"), ("human", "r"), ("gpt", "s")],
+    ])
+    tok = BosWordTokenizer()
+    sessions = multiturn_sessions(tok, 2, max_turns=6, max_prompt_len=100, max_output_len=8, path=path)
+    assert sorted(len(s) for s in sessions) == [2, 3]  # the 4th record stops at its gpt-after-gpt turn
+    long = max(sessions, key=len)
+    assert [t.output_len for t in long] == [5, 4, 8]  # reply words (5, 2, 10) clamped to 4..8
+    assert [t.prompt_len for t in long] == [5, 13, 20]  # BOS + "User: one two Assistant:", + reply + user turn
+    assert [t.prompt_token_ids.count(1) for t in long] == [1, 1, 1] and long[0].prompt_token_ids[0] == 1
+    assert long[2].prompt.endswith("User: four five six\n\nAssistant:") and "Assistant: f g" in long[2].prompt
+    assert len(multiturn_sessions(tok, 2, max_turns=2, max_prompt_len=100, max_output_len=8, path=path)[0]) == 2
+    # Turn 3 of `three` needs 20 + 8 > 24 tokens: the session stops at 2.
+    assert sorted(map(len, multiturn_sessions(tok, 2, max_prompt_len=24, max_output_len=8, path=path))) == [2, 2]
+    with pytest.raises(ValueError, match="only 2 of 2 multi-turn"):
+        multiturn_sessions(tok, 3, max_prompt_len=100, max_output_len=8, path=path)
+
+
+@needs_sharegpt
+def test_multiturn_sessions_extend_the_previous_prompt(tokenizer):
+    tok = tokenizer
+    sessions = multiturn_sessions(tok, 20, max_turns=4, max_prompt_len=300, max_output_len=16, seed=2)
+    assert len(sessions) == 20 and all(2 <= len(s) <= 4 for s in sessions)
+    special = set(tok.all_special_ids)
+    for turns in sessions:
+        for prev, turn in itertools.pairwise(turns):
+            # An exact token prefix extension: the server can reuse all of the previous prompt's KV.
+            assert turn.prompt_token_ids[:prev.prompt_len] == prev.prompt_token_ids
+            assert turn.prompt_len > prev.prompt_len + prev.output_len // 2
+            assert turn.prompt.startswith(prev.prompt)
+        for t in turns:
+            assert t.prompt_len == len(t.prompt_token_ids) and t.prompt_len + t.output_len <= 300
+            assert 4 <= t.output_len <= 16 and not set(t.prompt_token_ids) & special
+    assert multiturn_sessions(tok, 20, max_turns=4, max_prompt_len=300, max_output_len=16, seed=2) == sessions
+    other = multiturn_sessions(tok, 20, max_turns=4, max_prompt_len=300, max_output_len=16, seed=3)
+    assert other[0] != sessions[0]
+
+
+@needs_sharegpt
+def test_multiturn_sessions_run_turn_by_turn_and_reuse_the_cache(server, tokenizer, tmp_path, capsys):
+    flags = ["--max-turns", "4", "--max-prompt-len", "300", "--max-output-len", "8", "--seed", "1"]
+    sessions = multiturn_sessions(tokenizer, 3, 4, 300, 8, seed=1)
+    turns = sum(map(len, sessions))
+    out = tmp_path / "multiturn.json"
+    assert main(["bench", "serve", "--base-url", server.base, "--dataset", "multiturn", "--num-prompts", "3",
+                 "--max-concurrency", "2", "--turn-gap", "0.05", "--cache-salt", "multiturn", *flags,
+                 "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert (r["dataset"], r["num_prompts"], r["max_concurrency"]) == ("multiturn", 3, 2)
+    assert (r["completed"], r["failed"], r["turns_sent"], r["turns_not_sent"]) == (turns, 0, turns, 0)
+    assert r["total_prompt_tokens"] == sum(t.prompt_len for s in sessions for t in s)
+    assert r["total_output_tokens"] == sum(t.output_len for s in sessions for t in s)
+    for key in ("first_turn_ttft_ms", "later_turn_ttft_ms"):
+        assert 0 < r[key]["median"] <= r[key]["p99"]
+    # Each later turn starts with the previous prompt, whose full 16-token blocks the server has just cached.
+    later = [(prev.prompt_len, turn.prompt_len) for s in sessions for prev, turn in itertools.pairwise(s)]
+    later_cached = round(r["later_turn_cached_fraction"] * sum(n for _, n in later))
+    assert later_cached >= sum(p // 16 * 16 for p, _ in later) > 0
+    assert r["cached_fraction"] == pytest.approx(r["total_cached_tokens"] / r["total_prompt_tokens"])
+    assert r["duration_s"] >= 0.05 * (max(map(len, sessions)) - 1)
+    table = capsys.readouterr().out
+    assert "turns sent / not sent" in table and "TTFT later turns median / p99 (ms)" in table
+    assert "num sessions" in table and "session rate (sessions/s)" in table
+
+
+@needs_sharegpt
+def test_a_failed_turn_ends_its_session(server, tokenizer):
+    # With room for 1024 tokens, later turns outgrow the tiny model's max_model_len (512) and get HTTP 400.
+    sessions = multiturn_sessions(tokenizer, 4, 6, 1024, 8, seed=0)
+    too_long = [[t.prompt_len + t.output_len > 512 for t in s] for s in sessions]
+    sent = [row.index(True) + 1 if True in row else len(row) for row in too_long]
+    failed = sum(True in row for row in too_long)
+    # The seed must give the test a session that completes and one with a turn left after its failure.
+    assert failed < len(sessions) and sum(sent) < sum(map(len, sessions))
+    r = bench("--base-url", server.base, "--dataset", "multiturn", "--num-prompts", "4", "--max-prompt-len", "1024",
+              "--max-output-len", "8", "--seed", "0", "--cache-salt", "multiturn-fail")
+    assert (r.turns_sent, r.failed, r.completed) == (sum(sent), failed, sum(sent) - failed)
+    assert r.turns_not_sent == sum(map(len, sessions)) - sum(sent)
+    assert r.first_error.startswith("HTTP 400") and "max_model_len" in r.first_error
+

@@ -85,14 +85,16 @@ def test_engine_death_fails_open_streams_and_health(model_dir, tmp_path):
         assert srv.proc.poll() is None  # the server itself stays up and answers
 
 
-def test_sigterm_ends_streams_and_leaves_no_process(model_dir, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_ends_streams_and_leaves_no_process(model_dir, tmp_path, sig):
+    """SIGTERM (kill, systemd) and SIGINT (Ctrl-C) both stop the server cleanly."""
     with running_server([model_dir, *TINY_SERVER_ARGS], tmp_path / "log") as srv:
         engine_pid = _engine_pid(srv.proc.pid)
         conn, resp = open_stream(srv.base, "/v1/completions", LONG)
         events = sse_events(resp)
         assert next(events)["choices"]
         t0 = time.monotonic()
-        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.send_signal(sig)
         rest = list(events)  # the in-flight request ends with an error, not after 480 tokens
         assert any(isinstance(e, dict) and "error" in e for e in rest), rest[-3:]
         conn.close()

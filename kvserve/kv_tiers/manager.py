@@ -1,0 +1,378 @@
+"""TierManager: moves KV blocks between the device pool and the tiers below it.
+
+    device pool --evict--> host RAM --LRU evict (admission)--> disk, remote (background)
+    device pool <--onload-- host RAM or staged <--prefetch (background)-- disk, remote
+
+On the step path only memory is touched: an evicted block's K/V are copied into
+the host tier (or, without one, queued for the background writer), and onloads
+come from the host tier or from blocks a background prefetch already staged in
+memory. Disk and network I/O run on two daemon threads, one reading (prefetch,
+latency-critical) and one writing (demotions, best effort: dropped when the
+queue is full rather than letting memory grow).
+
+An entry's key is sha256(model fingerprint, chain hash); the chain hash already
+covers the parent chain and the cache_salt, so other models and other tenants
+never share an entry. Entries carry the block's tokens and are checksummed
+(codec.py): a corrupt or foreign entry is deleted and never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.config import TierConfig
+from kvserve.core.kv_connector import EvictedBlock, KVConnector, TierHit
+from kvserve.core.prefix_cache import block_tokens, compute_block_hashes
+from kvserve.kv_tiers.base import Evicted, KVTier
+from kvserve.kv_tiers.codec import CorruptEntryError, decode_entry, encode_entry
+from kvserve.kv_tiers.disk import DiskTier
+from kvserve.kv_tiers.host import HostTier
+from kvserve.kv_tiers.remote import RemoteTier
+from kvserve.request import Request
+
+logger = logging.getLogger(__name__)
+
+CPU, DISK, REMOTE = "cpu", "disk", "remote"
+WRITE_QUEUE_MAX = 1024  # demotions waiting for disk / network; beyond it they are dropped
+FLUSH_BUDGET_S = 10.0  # at close: how long pending writes may take
+
+
+_SAMPLE = 1 << 20
+
+
+def model_fingerprint(model_path: str, dtype: torch.dtype, block_shape: tuple[int, ...]) -> bytes:
+    """Identity of what a KV block depends on besides its tokens: the weights (each weight
+    file's name, size, first and last MiB, so the same checkpoint matches on any machine),
+    the KV dtype and the block layout. Cheap: never reads whole files."""
+    h = hashlib.sha256(b"kvserve.fingerprint.v1")
+    root = Path(model_path)
+    files = [root] if root.is_file() else sorted(p for p in root.iterdir() if p.is_file() and (
+        p.suffix in (".safetensors", ".gguf", ".bin") or p.name == "config.json"))
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(_SAMPLE))
+            if size > 2 * _SAMPLE:
+                fh.seek(size - _SAMPLE)
+                h.update(fh.read(_SAMPLE))
+    h.update(f"{dtype}\0{list(block_shape)}".encode())
+    return h.digest()
+
+
+@dataclass
+class _Staged:
+    data: bytes
+    origin: str
+
+
+class TierManager(KVConnector):
+    def __init__(self, cfg: TierConfig, fingerprint: bytes, block_size: int, block_shape: tuple[int, ...],
+                 dtype: torch.dtype) -> None:
+        """block_shape: one block's K/V as the runner reads it, [layers, 2, block_size, kv_heads, head_dim]."""
+        self.cfg = cfg
+        self.fingerprint = fingerprint
+        self.block_size = block_size
+        self.block_shape = tuple(block_shape)
+        self.dtype = dtype
+        self.host = HostTier(cfg.cpu_bytes) if cfg.cpu_bytes else None
+        self.disk = DiskTier(cfg.disk_path, cfg.disk_bytes) if cfg.disk_path else None
+        self.remote = RemoteTier(cfg.remote_url) if cfg.remote_url else None
+        self.slow: list[KVTier] = [t for t in (self.disk, self.remote) if t is not None]
+        self._lock = threading.Lock()
+        self._staged: dict[bytes, _Staged] = {}  # prefetched from slow tiers, waiting to be onloaded
+        self._staged_by_req: dict[str, list[bytes]] = defaultdict(list)
+        self._ready: dict[bytes, bytes] = {}  # verified data of this step's lookups, by key
+        self._offloads: list[EvictedBlock] = []
+        self._done: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._done_event = threading.Event()
+        self._cancelled: set[str] = set()
+        self.stats_tokens: dict[str, int] = defaultdict(int)  # "<tier>_queries" / "<tier>_hits", in tokens
+        self.bytes_offloaded: dict[str, int] = defaultdict(int)
+        self.bytes_onloaded = 0
+        self.writes_dropped = 0
+        self._reads: queue.Queue = queue.Queue()
+        self._writes: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE_MAX)
+        self._threads = [threading.Thread(target=self._loop, args=(q,), name=f"kvserve-tier-{n}", daemon=True)
+                         for n, q in (("read", self._reads), ("write", self._writes))] if self.slow else []
+        for t in self._threads:
+            t.start()
+
+    # ---- keys and entries -------------------------------------------------------
+
+    def key(self, block_hash: bytes) -> bytes:
+        return hashlib.sha256(b"kvserve.tier.v1" + self.fingerprint + block_hash).digest()
+
+    def _encode(self, b: EvictedBlock, data: torch.Tensor) -> bytes:
+        meta = {"parent": b.parent_hash, "tokens": list(b.tokens), "shape": list(self.block_shape),
+                "dtype": str(self.dtype)}
+        return encode_entry(self.key(b.block_hash), meta, data.contiguous().view(torch.uint8).numpy())
+
+    def _decode(self, key: bytes, blob: bytes, parent: bytes, tokens: tuple[int, ...]) -> bytes:
+        """The block data, after checking checksum, key, tokens, shape and dtype."""
+        meta, data = decode_entry(key, blob)
+        if (meta.get("parent") != parent or tuple(meta.get("tokens", ())) != tokens
+                or tuple(meta.get("shape", ())) != self.block_shape or meta.get("dtype") != str(self.dtype)):
+            raise CorruptEntryError("entry content does not match the block it is keyed by")
+        return data
+
+    # ---- KVConnector: the step path ---------------------------------------------
+
+    def on_evict(self, block: EvictedBlock) -> None:
+        self._offloads.append(block)
+
+    def take_offloads(self) -> list[EvictedBlock]:
+        out, self._offloads = self._offloads, []
+        return out
+
+    def lookup(self, request: Request, start_block: int, max_blocks: int) -> list[TierHit]:
+        if start_block >= max_blocks:
+            return []
+        hashes = compute_block_hashes(request, max_blocks, self.block_size)
+        hits: list[TierHit] = []
+        for i in range(start_block, max_blocks):
+            key, parent = self.key(hashes[i]), hashes[i - 1] if i else b""
+            with self._lock:
+                staged = self._staged.get(key)
+            origin, blob = (staged.origin, None) if staged is not None else (CPU, None)
+            if staged is None:
+                self.stats_tokens[f"{CPU}_queries"] += self.block_size
+                blob = self.host.get(key) if self.host is not None else None
+                if blob is None:
+                    break
+                self.stats_tokens[f"{CPU}_hits"] += self.block_size
+                try:
+                    self._ready[key] = self._decode(key, blob, parent, block_tokens(request, i, self.block_size))
+                except CorruptEntryError as e:
+                    logger.warning("dropping a corrupt host-tier KV entry: %s", e)
+                    self.host.delete(key)
+                    break
+            else:
+                self._ready[key] = staged.data
+            hits.append(TierHit(hashes[i], origin))
+        return hits
+
+    def transfer(self, kv_offload: list[EvictedBlock], kv_onload: list[tuple[int, TierHit]], runner: Any) -> None:
+        """Copy evicted blocks out of the device, then loaded blocks in; before the step's forward."""
+        if kv_offload:
+            data = runner.read_kv_blocks([b.block_id for b in kv_offload])
+            for b, d in zip(kv_offload, data):
+                self._store(b, d)
+        if kv_onload:
+            blocks = []
+            for _, hit in kv_onload:
+                key = self.key(hit.block_hash)
+                raw = self._ready.pop(key)
+                with self._lock:
+                    self._staged.pop(key, None)
+                blocks.append(torch.frombuffer(bytearray(raw), dtype=self.dtype).view(self.block_shape))
+            runner.write_kv_blocks([b for b, _ in kv_onload], torch.stack(blocks))
+            self.bytes_onloaded += sum(len(b.untyped_storage()) for b in blocks)
+        self._ready.clear()
+
+    def _store(self, b: EvictedBlock, data: torch.Tensor) -> None:
+        blob = self._encode(b, data)
+        if self.host is None:
+            self._demote([Evicted(self.key(b.block_hash), blob, 0)])
+            return
+        ok, evicted = self.host.put_evicting(self.key(b.block_hash), blob)
+        if ok:
+            self.bytes_offloaded[CPU] += len(blob)
+        self._demote(evicted)
+
+    def _demote(self, entries: list[Evicted]) -> None:
+        for e in entries:
+            targets = [t for t, min_hits in ((self.disk, self.cfg.disk_min_hits),
+                                             (self.remote, self.cfg.remote_min_hits))
+                       if t is not None and e.hits >= min_hits]
+            if not targets:
+                continue
+            try:
+                self._writes.put_nowait((self._write, (e.key, e.blob, targets)))
+            except queue.Full:
+                self.writes_dropped += 1
+
+    def write_through(self, requests: list[Request], runner: Any) -> None:
+        """After a step: queue the requests' newly computed full blocks for the remote tier."""
+        todo: list[tuple[int, EvictedBlock]] = []
+        for req in requests:
+            if req.num_blocks_written_through < 0:  # cached blocks were computed (and sent) before
+                req.num_blocks_written_through = max(req.num_cached_tokens, 0) // self.block_size
+            full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+            hashes = compute_block_hashes(req, full, self.block_size)
+            for i in range(req.num_blocks_written_through, full):
+                todo.append((req.block_ids[i], EvictedBlock(req.block_ids[i], hashes[i], hashes[i - 1] if i else b"",
+                                                            block_tokens(req, i, self.block_size))))
+            req.num_blocks_written_through = max(req.num_blocks_written_through, full)
+        if not todo:
+            return
+        for (_, b), data in zip(todo, runner.read_kv_blocks([bid for bid, _ in todo])):
+            try:
+                self._writes.put_nowait((self._write_new, (self.key(b.block_hash), self._encode(b, data))))
+            except queue.Full:
+                self.writes_dropped += 1
+
+    def _write_new(self, key: bytes, blob: bytes) -> None:
+        assert self.remote is not None
+        if not self.remote.contains(key) and self.remote.put(key, blob):
+            self.bytes_offloaded[REMOTE] += len(blob)
+
+    # ---- KVConnector: prefetch from slow tiers -------------------------------------
+
+    def prefetch(self, request: Request, num_device_blocks: int) -> bool:
+        if not self.slow:
+            return False
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if num_device_blocks >= max_blocks:
+            return False
+        hashes = compute_block_hashes(request, max_blocks, self.block_size)
+        keys = [self.key(h) for h in hashes]
+        first = num_device_blocks
+        while first < max_blocks and self.host is not None and self.host.contains(keys[first]):
+            first += 1
+        if first >= max_blocks:
+            return False
+        todo = [(keys[i], hashes[i - 1] if i else b"", block_tokens(request, i, self.block_size))
+                for i in range(first, max_blocks)]
+        self._reads.put((self._fetch, (request.request_id, todo)))
+        return True
+
+    def poll(self) -> list[str]:
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                self._done_event.clear()
+                return out
+
+    def wait(self, timeout: float) -> None:
+        """Block until a prefetch finishes or `timeout` passes (the engine has nothing else to do)."""
+        self._done_event.wait(timeout)
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            for key in self._staged_by_req.pop(request_id, []):
+                self._staged.pop(key, None)
+
+    # ---- background threads -------------------------------------------------------
+
+    def _loop(self, q: queue.Queue) -> None:
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            fn, args = item
+            try:
+                fn(*args)
+            except Exception:  # a tier bug must not kill the thread
+                logger.exception("KV tier background task failed")
+            finally:
+                q.task_done()
+
+    def _fetch(self, request_id: str, todo: list[tuple[bytes, bytes, tuple[int, ...]]]) -> None:
+        """Stage the longest run of blocks found in disk, then remote; stop at the first miss."""
+        try:
+            for key, parent, tokens in todo:
+                data = None
+                for tier in self.slow:
+                    self.stats_tokens[f"{tier.name}_queries"] += self.block_size
+                    blob = tier.get(key)
+                    if blob is None:
+                        continue
+                    try:
+                        data = self._decode(key, blob, parent, tokens)
+                    except CorruptEntryError as e:
+                        logger.warning("deleting a corrupt %s-tier KV entry: %s", tier.name, e)
+                        tier.delete(key)
+                        continue
+                    self.stats_tokens[f"{tier.name}_hits"] += self.block_size
+                    with self._lock:
+                        self._staged[key] = _Staged(data, tier.name)
+                        self._staged_by_req[request_id].append(key)
+                    break
+                if data is None:
+                    return
+        finally:
+            self._done.put(request_id)
+            self._done_event.set()
+
+    def _write(self, key: bytes, blob: bytes, targets: list[KVTier]) -> None:
+        for tier in targets:
+            if tier.put(key, blob):
+                self.bytes_offloaded[tier.name] += len(blob)
+
+    # ---- management ---------------------------------------------------------------
+
+    def tiers(self) -> list[KVTier]:
+        return [t for t in (self.host, self.disk, self.remote) if t is not None]
+
+    def stats(self) -> dict[str, int | float | bool | str]:
+        out: dict[str, int | float | bool | str] = {"kv_tier_bytes_onloaded": self.bytes_onloaded,
+                                                     "kv_tier_writes_dropped": self.writes_dropped}
+        for tier in self.tiers():
+            s = tier.stats()
+            n = tier.name
+            out.update({f"kv_tier_{n}_queries": self.stats_tokens[f"{n}_queries"],
+                        f"kv_tier_{n}_hits": self.stats_tokens[f"{n}_hits"],
+                        f"kv_tier_{n}_bytes_offloaded": self.bytes_offloaded[n],
+                        f"kv_tier_{n}_entries": s["entries"], f"kv_tier_{n}_bytes_used": s["bytes_used"],
+                        f"kv_tier_{n}_capacity_bytes": s["capacity_bytes"],
+                        f"kv_tier_{n}_available": bool(s["available"])})
+        return out
+
+    def clear(self) -> dict[str, int]:
+        with self._lock:
+            self._staged.clear()
+            self._staged_by_req.clear()
+        return {t.name: t.clear() for t in self.tiers()}
+
+    def persist(self, cached: list[EvictedBlock], runner: Any, timeout: float = FLUSH_BUDGET_S) -> int:
+        """Save what would be lost at shutdown to the disk tier: blocks still cached on the
+        device, then the host tier's entries (most recently used first); returns how many
+        were written. Bounded by `timeout` so a stop never hangs on a slow disk."""
+        if self.disk is None:
+            return 0
+        deadline, written = time.monotonic() + timeout, 0
+        todo = [b for b in cached if not self.disk.contains(self.key(b.block_hash))]
+        for i in range(0, len(todo), 64):
+            if time.monotonic() > deadline:
+                return written
+            chunk = todo[i:i + 64]
+            for b, d in zip(chunk, runner.read_kv_blocks([b.block_id for b in chunk])):
+                written += self.disk.put(self.key(b.block_hash), self._encode(b, d))
+        for key in reversed(self.host.keys_lru() if self.host is not None else []):
+            if time.monotonic() > deadline:
+                break
+            blob = self.host.get(key)
+            if blob is not None and not self.disk.contains(key):
+                written += self.disk.put(key, blob)
+        return written
+
+    def flush(self, timeout: float = FLUSH_BUDGET_S) -> None:
+        """Wait (up to `timeout`) until queued background writes are on disk / in the store."""
+        deadline = time.monotonic() + timeout
+        while self._writes.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.flush()
+        for q in (self._reads, self._writes):
+            try:
+                q.put(None, timeout=5)  # the write queue may be full: wait a little for room
+            except queue.Full:
+                pass
+        for t in self._threads:
+            t.join(timeout=5)
+        for tier in self.tiers():
+            tier.close()
