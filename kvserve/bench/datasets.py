@@ -31,6 +31,8 @@ class BenchRequest:
     # The exact ids the prompt length was counted on; backends feed these, not the text,
     # so every backend sees the same prompt tokens.
     prompt_token_ids: list[int] | None = field(default=None, repr=False)
+    # multiturn: the ids this turn adds after the previous turn's reply (its user message)
+    turn_ids: list[int] | None = field(default=None, repr=False)
 
 
 def sharegpt_path() -> Path:
@@ -273,7 +275,7 @@ def _session(pieces: list[str], ids: list[list[int]], lead: list[int],
         output_len = max(4, min(len(ids[k + 1]), max_output_len))
         if len(prompt_ids) + output_len > max_prompt_len:
             break
-        turns.append(BenchRequest(text, len(prompt_ids), output_len, prompt_ids))
+        turns.append(BenchRequest(text, len(prompt_ids), output_len, prompt_ids, turn_ids=list(ids[k])))
         # The next prompt extends this one by the reference reply, not by what the server generates,
         # so every run sends the same prompts.
         prompt_ids, text = prompt_ids + ids[k + 1], text + pieces[k + 1]

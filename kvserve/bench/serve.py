@@ -15,8 +15,10 @@ Token counts (prompt, completion, cached) come from the final usage chunk.
 
 `--dataset multiturn` replays ShareGPT conversations: sessions (not requests) arrive as the
 Poisson process and count against the concurrency cap, and a session sends its turns one
-after another, each prompt holding the whole conversation so far. Every turn is a request
-in the stats above; first and later turns' TTFT are also reported apart, since later turns
+after another, each prompt holding the whole conversation so far: by default with the
+server's own earlier replies (`--multiturn-history generated`, a real chat, whose prefix the
+server computed before), or with the dataset's reference replies (`reference`). Every turn
+is a request in the stats above; first and later turns' TTFT are also reported apart, since later turns
 are the ones that can reuse the previous turn's KV.
 """
 
@@ -82,6 +84,9 @@ def add_serve_bench_parser(bench_sub: Any) -> None:
     p.add_argument("--max-turns", type=int, default=DEFAULT_MAX_TURNS, help="multiturn: turns per session at most")
     p.add_argument("--turn-gap", type=float, default=0.0,
                    help="multiturn: seconds between a turn's end and the next turn's request (default 0)")
+    p.add_argument("--multiturn-history", choices=["generated", "reference"], default="generated",
+                   help="multiturn: the previous replies in a prompt are the server's own (as in a real chat: "
+                        "their KV can be reused) or the dataset's reference replies (default generated)")
     p.add_argument("--tokenizer", default=None, help="model path for the tokenizer (default: the server's model root)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     p.add_argument("--api-key", default=None, help="bearer token for a server started with --api-key")
@@ -136,9 +141,10 @@ async def _run(args: argparse.Namespace) -> ServeBenchResult:
     client = AsyncOpenAI(base_url=base, api_key=args.api_key or PLACEHOLDER_API_KEY, max_retries=0)
     try:
         model, root = await _server_model(client, args)
-        sessions = build_sessions(args, _load_tokenizer(args.tokenizer or root))
+        tokenizer = _load_tokenizer(args.tokenizer or root)
+        sessions = build_sessions(args, tokenizer)
         start = time.perf_counter()
-        metrics = await _issue_all(client, model, sessions, args)
+        metrics = await _issue_all(client, model, sessions, args, tokenizer)
         duration = time.perf_counter() - start
     finally:
         await client.close()
@@ -209,7 +215,7 @@ def arrival_gaps(n: int, rate: float, seed: int) -> list[float]:
 
 
 async def _issue_all(client: Any, model: str, sessions: list[list[BenchRequest]],
-                     args: argparse.Namespace) -> list[RequestTiming]:
+                     args: argparse.Namespace, tokenizer: Any) -> list[RequestTiming]:
     """Timings of the turns sent, session by session; a failed turn ends its session."""
     from tqdm import tqdm
 
@@ -221,9 +227,13 @@ async def _issue_all(client: Any, model: str, sessions: list[list[BenchRequest]]
     async def session(turns: list[BenchRequest]) -> list[RequestTiming]:
         timings: list[RequestTiming] = []
         async with limit if limit is not None else contextlib.nullcontext():
+            sent: BenchRequest | None = None
             for k, req in enumerate(turns):
                 if k and args.turn_gap > 0:
                     await asyncio.sleep(args.turn_gap)
+                if sent is not None and args.multiturn_history == "generated":
+                    req = _with_generated_history(timings[-1], sent, req, tokenizer)
+                sent = req
                 m = await send_request(client, model, req, args.cache_salt)
                 m.turn = k
                 timings.append(m)
@@ -245,6 +255,15 @@ async def _issue_all(client: Any, model: str, sessions: list[list[BenchRequest]]
         bar.close()
 
 
+def _with_generated_history(prev: RequestTiming, prev_req: BenchRequest, req: BenchRequest,
+                            tokenizer: Any) -> BenchRequest:
+    """This turn with the previous reply as the server wrote it (a real chat's next prompt, whose
+    prefix the server has computed before), in place of the reference reply."""
+    reply = list(tokenizer([prev.text], add_special_tokens=False)["input_ids"][0])
+    ids = list(prev_req.prompt_token_ids or []) + reply + list(req.turn_ids or [])
+    return BenchRequest(req.prompt, len(ids), req.output_len, ids, turn_ids=req.turn_ids)
+
+
 async def send_request(client: Any, model: str, req: BenchRequest, cache_salt: str | None) -> RequestTiming:
     """One streamed completion, timed; failures are recorded in the result, never raised."""
     import openai
@@ -264,6 +283,7 @@ async def send_request(client: Any, model: str, req: BenchRequest, cache_salt: s
             async for chunk in stream:
                 now = time.perf_counter()
                 if chunk.choices:
+                    m.text += chunk.choices[0].text or ""
                     if last is None:
                         m.ttft_s = now - start
                     else:

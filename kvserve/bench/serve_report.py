@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kvserve.bench.throughput import cpu_model
+from kvserve.bench.throughput import cpu_model, render_table
 
 
 @dataclass
@@ -24,6 +24,7 @@ class RequestTiming:
     itl_s: list[float] = field(default_factory=list)
     error: str = ""
     turn: int = 0  # index within its session; always 0 outside multiturn
+    text: str = field(default="", repr=False)  # the completion, for the next turn's prompt
 
 
 @dataclass
@@ -148,9 +149,4 @@ def format_serve_table(r: ServeBenchResult) -> str:
     for name, s in (("first", r.first_turn_ttft_ms), ("later", r.later_turn_ttft_ms)):
         if s is not None:
             rows.append((f"TTFT {name} turns median / p99 (ms)", f"{s.median:.2f} / {s.p99:.2f}"))
-    width = max(len(k) for k, _ in rows)
-    lines = [f"{k:<{width}}  {v}" for k, v in rows]
-    if r.first_error:
-        lines.append(f"first error: {r.first_error}")
-    rule = "-" * min(100, max(len(line) for line in lines))
-    return "\n".join([rule, *lines, rule])
+    return render_table(rows, [f"first error: {r.first_error}"] if r.first_error else [])

@@ -318,9 +318,12 @@ def format_table(r: BenchResult) -> str:
     ]
     if r.computed_output_tokens is not None and r.computed_output_tokens != r.total_output_tokens:
         rows.append(("computed output tokens", str(r.computed_output_tokens)))
+    return render_table(rows, [f"note: {r.note}"] if r.note else [])
+
+
+def render_table(rows: list[tuple[str, str]], footer: list[str]) -> str:
+    """Aligned `name  value` rows between two rules, then free-form footer lines."""
     width = max(len(k) for k, _ in rows)
-    lines = [f"{k:<{width}}  {v}" for k, v in rows]
-    if r.note:
-        lines.append(f"note: {r.note}")
+    lines = [f"{k:<{width}}  {v}" for k, v in rows] + footer
     rule = "-" * min(100, max(len(line) for line in lines))
     return "\n".join([rule, *lines, rule])

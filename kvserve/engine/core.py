@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import itertools
 import time
@@ -81,6 +82,7 @@ class EngineCore:
         tiers = TierManager(cfg, model_fingerprint(self.model_path, self.dtype, shape),
                             self.cache_config.block_size, shape, self.dtype)
         self.kv.attach_connector(tiers)
+        atexit.register(self.close)  # queued tier writes and the disk tier's save happen at exit too
         return tiers
 
     def _eos_token_id(self) -> int | None:
@@ -209,6 +211,7 @@ class EngineCore:
     def close(self) -> None:
         """Stop the KV tiers' background threads once their queued writes are done."""
         if self.tiers is not None:
+            atexit.unregister(self.close)
             self.tiers.flush()
             if self.kv.cache is not None:
                 self.tiers.persist(self.kv.cache.cached_blocks(), self.runner)

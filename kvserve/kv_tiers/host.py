@@ -52,6 +52,14 @@ class HostTier(KVTier):
             self._hits += 1
             return entry.blob
 
+    def touch(self, key: bytes) -> bool:
+        """Refresh `key`'s recency without counting a hit; False if absent."""
+        with self._lock:
+            if key not in self._entries:
+                return False
+            self._entries.move_to_end(key)
+            return True
+
     def put(self, key: bytes, blob: bytes) -> bool:
         """See `put_evicting`; the evicted entries are dropped."""
         stored, _ = self.put_evicting(key, blob)

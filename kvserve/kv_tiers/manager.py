@@ -164,6 +164,10 @@ class TierManager(KVConnector):
 
     def transfer(self, kv_offload: list[EvictedBlock], kv_onload: list[tuple[int, TierHit]], runner: Any) -> None:
         """Copy evicted blocks out of the device, then loaded blocks in; before the step's forward."""
+        # A block loaded from RAM and evicted again is still there (same key, same content) with
+        # its hit count, which admission to disk needs: only mark it recently used.
+        if self.host is not None:
+            kv_offload = [b for b in kv_offload if not self.host.touch(self.key(b.block_hash))]
         if kv_offload:
             data = runner.read_kv_blocks([b.block_id for b in kv_offload])
             for b, d in zip(kv_offload, data):

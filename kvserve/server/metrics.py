@@ -41,19 +41,20 @@ class _EngineCollector(Collector):
         s = self.snapshot
         if s is None:  # engine unreachable: report nothing rather than stale zeros
             return
-        yield GaugeMetricFamily(f"{PREFIX}num_requests_running", "Requests in the running batch.",
-                                value=s["num_running"])
-        yield GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests waiting to be scheduled.",
-                                value=s["num_waiting"])
-        yield GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "Fraction of KV blocks in use (1 = 100%).",
-                                value=s["kv_usage"])
-        yield CounterMetricFamily(f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                  value=s["prefix_cache_queries"])
-        yield CounterMetricFamily(f"{PREFIX}prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                  value=s["prefix_cache_hits"])
-        yield CounterMetricFamily(f"{PREFIX}num_preemptions", "Requests preempted (to be recomputed).",
-                                  value=s["num_preemptions"])
+        for stat, name, kind, doc in _ENGINE_METRICS:
+            yield kind(f"{PREFIX}{name}", doc, value=s[stat])
         yield from _tier_metrics(s)
+
+
+_ENGINE_METRICS = (  # (EngineCore.stats() key, metric name, kind, help)
+    ("num_running", "num_requests_running", GaugeMetricFamily, "Requests in the running batch."),
+    ("num_waiting", "num_requests_waiting", GaugeMetricFamily, "Requests waiting to be scheduled."),
+    ("kv_usage", "kv_cache_usage_perc", GaugeMetricFamily, "Fraction of KV blocks in use (1 = 100%)."),
+    ("prefix_cache_queries", "prefix_cache_queries", CounterMetricFamily,
+     "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "prefix_cache_hits", CounterMetricFamily, "Prompt tokens found in the prefix cache."),
+    ("num_preemptions", "num_preemptions", CounterMetricFamily, "Requests preempted (to be recomputed)."),
+)
 
 
 _TIER_METRICS = (  # (stat suffix, metric name, kind, help)

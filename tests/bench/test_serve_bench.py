@@ -218,7 +218,7 @@ def test_multiturn_sessions_run_turn_by_turn_and_reuse_the_cache(server, tokeniz
     out = tmp_path / "multiturn.json"
     assert main(["bench", "serve", "--base-url", server.base, "--dataset", "multiturn", "--num-prompts", "3",
                  "--max-concurrency", "2", "--turn-gap", "0.05", "--cache-salt", "multiturn", *flags,
-                 "--output-json", str(out)]) == 0
+                 "--multiturn-history", "reference", "--output-json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert (r["dataset"], r["num_prompts"], r["max_concurrency"]) == ("multiturn", 3, 2)
     assert (r["completed"], r["failed"], r["turns_sent"], r["turns_not_sent"]) == (turns, 0, turns, 0)
@@ -235,6 +235,15 @@ def test_multiturn_sessions_run_turn_by_turn_and_reuse_the_cache(server, tokeniz
     table = capsys.readouterr().out
     assert "turns sent / not sent" in table and "TTFT later turns median / p99 (ms)" in table
     assert "num sessions" in table and "session rate (sessions/s)" in table
+    # The default: later prompts carry the server's own replies, as a chat client sends them, so
+    # the previous turn's prompt *and* reply are cached: a larger share than with reference replies.
+    gen = tmp_path / "generated.json"
+    assert main(["bench", "serve", "--base-url", server.base, "--dataset", "multiturn", "--num-prompts", "3",
+                 "--max-concurrency", "2", "--cache-salt", "multiturn-generated", *flags,
+                 "--output-json", str(gen)]) == 0
+    g = json.loads(gen.read_text())
+    assert g["turns_sent"] == turns and g["failed"] == 0
+    assert g["later_turn_cached_fraction"] > r["later_turn_cached_fraction"]
 
 
 @needs_sharegpt
@@ -247,7 +256,8 @@ def test_a_failed_turn_ends_its_session(server, tokenizer):
     # The seed must give the test a session that completes and one with a turn left after its failure.
     assert failed < len(sessions) and sum(sent) < sum(map(len, sessions))
     r = bench("--base-url", server.base, "--dataset", "multiturn", "--num-prompts", "4", "--max-prompt-len", "1024",
-              "--max-output-len", "8", "--seed", "0", "--cache-salt", "multiturn-fail")
+              "--max-output-len", "8", "--seed", "0", "--cache-salt", "multiturn-fail",
+              "--multiturn-history", "reference")
     assert (r.turns_sent, r.failed, r.completed) == (sum(sent), failed, sum(sent) - failed)
     assert r.turns_not_sent == sum(map(len, sessions)) - sum(sent)
     assert r.first_error.startswith("HTTP 400") and "max_model_len" in r.first_error

@@ -59,6 +59,25 @@ def test_evicted_blocks_go_to_ram_then_disk_and_come_back(model_dir, tmp_path):
         llm.close()
 
 
+def test_disk_admission_takes_only_blocks_hit_in_ram(model_dir, tmp_path):
+    """--kv-offload-disk-min-hits 1: a block leaving host RAM goes to disk only if it was hit there."""
+    hot, *others = _prompts(6, 81, seed=7)
+    llm = _llm(model_dir, kv_offload_cpu=5 * ENTRY, kv_offload_disk=str(tmp_path / "kv"),
+               kv_offload_disk_min_hits=1)
+    try:
+        _run(llm, [hot])
+        _run(llm, others[:2])  # the hot prompt's blocks go to RAM
+        assert _run(llm, [hot])[0].num_cached_tokens_by_tier.get("cpu", 0) > 0  # a hit in RAM
+        _run(llm, others[2:])  # RAM overflows: cold blocks are dropped, the hit ones go to disk
+        llm.engine.tiers.flush()
+        s = llm.stats()
+        assert 0 < s["kv_tier_disk_entries"] < s["kv_tier_cpu_bytes_offloaded"] // ENTRY
+        for f in (tmp_path / "kv").rglob("*.kv"):
+            assert f.stat().st_size < ENTRY
+    finally:
+        llm.close()
+
+
 def test_disk_tier_survives_restart(model_dir, tmp_path):
     prompt = _prompts(1, 70, seed=2)[0]
     disk = str(tmp_path / "kv")

@@ -50,6 +50,23 @@ def model_dir(tiny_model_factory):
     return str(tiny_model_factory("llama"))
 
 
+def test_server_reports_host_tier_hits(model_dir, tmp_path):
+    """Through `kvserve serve` (engine in its own process): evicted blocks come back from RAM,
+    and usage splits the cached tokens by tier."""
+    args = [model_dir, "--dtype", "float32", "--num-kv-blocks", "16", "--served-model-name", MODEL,
+            "--kv-offload-cpu", "1MiB"]
+    with running_server(args, tmp_path / "log") as srv:
+        client = _client(srv)
+        first = _complete(client, _prompt(30))
+        for i in range(3):  # fill the 16-block pool with other prompts: the first one's blocks go to RAM
+            _complete(client, _prompt(31 + i))
+        again = _complete(client, _prompt(30))
+        details = again.usage.prompt_tokens_details
+        assert details.cached_tokens == 5 * BS and details.cached_tokens_by_tier.get("cpu", 0) > 0, details
+        assert again.choices[0].text == first.choices[0].text
+        assert metric_values(srv.base)['kvserve:kv_tier_hits_total{tier="cpu"}'] > 0
+
+
 def test_second_server_reuses_kv_the_first_computed(model_dir, redis_server, tmp_path):
     args = [model_dir, *TINY_SERVER_ARGS, "--kv-remote", redis_server.url, "--kv-remote-write-through"]
     prompt = _prompt(1)

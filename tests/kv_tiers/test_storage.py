@@ -168,6 +168,21 @@ def test_host_put_evicting_reports_victims_with_hit_counts() -> None:
     tier.check_integrity()
 
 
+def test_host_touch_refreshes_recency_without_a_hit() -> None:
+    tier = HostTier(3 * len(entry(0)))
+    for i in range(3):
+        tier.put(key(i), entry(i))
+    assert tier.touch(key(0)) and not tier.touch(key(9))
+    ok, evicted = tier.put_evicting(key(3), entry(3))
+    assert ok and [e.key for e in evicted] == [key(1)]  # key(0) was refreshed
+    assert tier.get(key(0)) == entry(0)
+    _, evicted = tier.put_evicting(key(4), entry(4))
+    assert [(e.key, e.hits) for e in evicted] == [(key(2), 0)]
+    tier.put(key(5), entry(5))
+    tier.put(key(6), entry(6))
+    assert tier.stats()["entries"] == 3
+
+
 def test_host_pop_clear_close() -> None:
     tier = HostTier(1000)
     tier.put(key(0), b"a" * 10)
