@@ -42,6 +42,32 @@ bench() {
     "$KV" bench serve --base-url "$BASE" "$@" --output-json "$OUT/$name.json" | tee "$OUT/$name.txt"
 }
 
+run_tiers() {
+    start_server "${POOL[@]}"
+    bench multiturn-off "${MT[@]}"
+    stop_server
+    start_server "${POOL[@]}" --kv-offload-cpu 4GiB
+    bench multiturn-cpu "${MT[@]}"
+    stop_server
+    # RAM smaller than the working set, so the disk tier serves the rest
+    rm -rf "$OUT/kv-disk"
+    start_server "${POOL[@]}" --kv-offload-cpu 128MiB --kv-offload-disk "$OUT/kv-disk"
+    bench multiturn-cpu-disk "${MT[@]}"
+    stop_server
+    rm -rf "$OUT/kv-disk"
+    REDIS_PORT=$((PORT + 1))
+    redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no --maxmemory 4gb \
+        --maxmemory-policy allkeys-lru > "$OUT/redis.log" 2>&1 &
+    REDIS=$!
+    start_server "${POOL[@]}" --kv-offload-cpu 128MiB --kv-offload-disk "$OUT/kv-disk" \
+        --kv-remote "redis://127.0.0.1:$REDIS_PORT"
+    bench multiturn-cpu-disk-redis "${MT[@]}"
+    stop_server
+    kill "$REDIS"
+    rm -rf "$OUT/kv-disk"
+}
+
+
 case "${1:-all}" in
 prefix|all)
     for mode in enable no-enable; do
@@ -77,32 +103,11 @@ tiers)
     MT=(--dataset multiturn --multiturn-history reference --num-prompts 8 --max-turns 6
         --max-prompt-len 2000 --output-len 32 --max-concurrency 4 --turn-gap 10)
     POOL=(--num-kv-blocks 128)
-    start_server "${POOL[@]}"
-    bench multiturn-off "${MT[@]}"
-    stop_server
-    start_server "${POOL[@]}" --kv-offload-cpu 4GiB
-    bench multiturn-cpu "${MT[@]}"
-    stop_server
-    # RAM smaller than the working set, so the disk tier serves the rest
-    rm -rf "$OUT/kv-disk"
-    start_server "${POOL[@]}" --kv-offload-cpu 128MiB --kv-offload-disk "$OUT/kv-disk"
-    bench multiturn-cpu-disk "${MT[@]}"
-    stop_server
-    rm -rf "$OUT/kv-disk"
-    REDIS_PORT=$((PORT + 1))
-    redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no --maxmemory 4gb \
-        --maxmemory-policy allkeys-lru > "$OUT/redis.log" 2>&1 &
-    REDIS=$!
-    start_server "${POOL[@]}" --kv-offload-cpu 128MiB --kv-offload-disk "$OUT/kv-disk" \
-        --kv-remote "redis://127.0.0.1:$REDIS_PORT"
-    bench multiturn-cpu-disk-redis "${MT[@]}"
-    stop_server
-    kill "$REDIS"
-    rm -rf "$OUT/kv-disk"
+    run_tiers
     ;;
 prefix|sharegpt|all) ;;
 *)
-    echo "usage: $0 prefix|sharegpt|all" >&2
+    echo "usage: $0 prefix|sharegpt|all|c64|budget|tiers" >&2
     exit 2
     ;;
 esac
