@@ -96,7 +96,8 @@ class TierManager(KVConnector):
         self._offloads: list[EvictedBlock] = []
         self._done: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._done_event = threading.Event()
-        self._cancelled: set[str] = set()
+        self._fetching: set[str] = set()  # requests with a prefetch queued or running
+        self._cancelled: set[str] = set()  # ... of those, the ones finished meanwhile
         self.stats_tokens: dict[str, int] = defaultdict(int)  # "<tier>_queries" / "<tier>_hits", in tokens
         self.bytes_offloaded: dict[str, int] = defaultdict(int)
         self.bytes_onloaded = 0
@@ -248,6 +249,8 @@ class TierManager(KVConnector):
             return False
         todo = [(keys[i], hashes[i - 1] if i else b"", block_tokens(request, i, self.block_size))
                 for i in range(first, max_blocks)]
+        with self._lock:
+            self._fetching.add(request.request_id)
         self._reads.put((self._fetch, (request.request_id, todo)))
         return True
 
@@ -266,6 +269,8 @@ class TierManager(KVConnector):
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
+            if request_id in self._fetching:
+                self._cancelled.add(request_id)  # the fetch stops and drops what it staged
             for key in self._staged_by_req.pop(request_id, []):
                 self._staged.pop(key, None)
 
@@ -302,12 +307,20 @@ class TierManager(KVConnector):
                         continue
                     self.stats_tokens[f"{tier.name}_hits"] += self.block_size
                     with self._lock:
+                        if request_id in self._cancelled:
+                            return
                         self._staged[key] = _Staged(data, tier.name)
                         self._staged_by_req[request_id].append(key)
                     break
                 if data is None:
                     return
         finally:
+            with self._lock:
+                self._fetching.discard(request_id)
+                if request_id in self._cancelled:  # finished while we fetched: nobody will onload
+                    self._cancelled.discard(request_id)
+                    for key in self._staged_by_req.pop(request_id, []):
+                        self._staged.pop(key, None)
             self._done.put(request_id)
             self._done_event.set()
 

@@ -154,6 +154,26 @@ def test_many_requests_offloading_and_onloading_at_once(model_dir, tmp_path):
         llm.close()
 
 
+def test_aborting_a_request_while_its_kv_is_fetched_leaves_nothing_staged(model_dir, tmp_path):
+    prompt = _prompts(1, 70, seed=8)[0]
+    disk = str(tmp_path / "kv")
+    llm = _llm(model_dir, num_kv_blocks=64, kv_offload_disk=disk)
+    _run(llm, [prompt])
+    llm.close()  # the prompt's blocks are now on disk only
+    llm = _llm(model_dir, num_kv_blocks=64, kv_offload_disk=disk)
+    try:
+        eng, tiers = llm.engine, llm.engine.tiers
+        eng.add_request("gone", prompt, GREEDY)
+        assert eng.scheduler.requests["gone"].kv_loading  # waiting for the disk prefetch
+        eng.abort_request("gone")
+        tiers._reads.join()  # the fetch has finished (it may have run before or after the abort)
+        assert not tiers._staged and not tiers._staged_by_req and not tiers._fetching and not tiers._cancelled
+        again = _run(llm, [prompt])[0]  # the entries are still on disk for the next request
+        assert again.num_cached_tokens_by_tier.get("disk") == 4 * BS
+    finally:
+        llm.close()
+
+
 def test_tiers_need_the_hash_prefix_cache(model_dir):
     with pytest.raises(ValueError, match="prefix-cache hash"):
         _llm(model_dir, prefix_cache="radix", kv_offload_cpu="1MiB")
