@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from kvserve.core.block_pool import BlockPool
 from kvserve.core.kv_connector import KVConnector
-from kvserve.core.prefix_cache import HashPrefixCache, PrefixCache
+from kvserve.core.prefix_cache import HashPrefixCache, PrefixCache, max_cached_blocks
 from kvserve.core.radix_cache import RadixPrefixCache
 from kvserve.request import Request
 
@@ -70,19 +70,20 @@ class KVCacheManager:
             raise ValueError("KV offload tiers key blocks by chain hash: use --prefix-cache hash")
         self.cache.evict_listener = connector.on_evict
 
+    def _match(self, request: Request) -> list[int]:
+        if self.cache is None or request.skip_prefix_cache:
+            return []
+        max_blocks = max_cached_blocks(request, self.block_size)
+        return self.cache.match(request, max_blocks) if max_blocks > 0 else []
+
     def num_cached_blocks(self, request: Request) -> int:
         """Full prompt blocks cached on the device now (a lookup only: no stats, no references)."""
-        if self.cache is None or request.skip_prefix_cache:
-            return 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        return len(self.cache.match(request, max_blocks)) if max_blocks > 0 else 0
+        return len(self._match(request))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         if self.cache is None or request.skip_prefix_cache:
             return [], 0
-        # Never the whole sequence: the last token must run to produce logits.
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        blocks = self.cache.match(request, max_blocks) if max_blocks > 0 else []
+        blocks = self._match(request)
         num_cached = len(blocks) * self.block_size
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_cached

@@ -51,6 +51,12 @@ def block_tokens(request: Request, index: int, block_size: int) -> tuple[int, ..
     return tuple(request.all_token_ids[index * block_size:(index + 1) * block_size])
 
 
+def max_cached_blocks(request: Request, block_size: int) -> int:
+    """Full blocks of the request a cache may supply: never the whole sequence, since the
+    last token must run to produce logits."""
+    return max(0, (request.num_tokens - 1) // block_size)
+
+
 def compute_block_hashes(request: Request, num_blocks: int, block_size: int) -> list[bytes]:
     """Extend request.block_hashes to cover its first `num_blocks` full blocks.
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_connector import DEVICE_TIER, EvictedBlock, KVConnector, TierHit
 from kvserve.core.kv_manager import KVCacheManager
+from kvserve.core.prefix_cache import max_cached_blocks
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 
@@ -220,8 +221,7 @@ class Scheduler:
     def _tier_hits(self, req: Request, num_device_blocks: int) -> list[TierHit]:
         if self.connector is None or req.skip_prefix_cache:
             return []
-        # As for device hits: never the whole sequence, the last token must run.
-        return self.connector.lookup(req, num_device_blocks, (req.num_tokens - 1) // self.kv.block_size)
+        return self.connector.lookup(req, num_device_blocks, max_cached_blocks(req, self.kv.block_size))
 
     def _fork_from_leader(self, req: Request, out: SchedulerOutput) -> bool:
         """n > 1: share the leader's full prompt blocks once it has computed them."""

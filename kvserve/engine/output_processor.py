@@ -149,4 +149,4 @@ class OutputProcessor:
         outs = sorted((c.completion for c in parent.children.values()), key=lambda c: c.index)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
                              parent.prompt_logprobs, outs, finished, parent.num_cached_tokens,
-                             parent.metrics, dict(parent.num_cached_tokens_by_tier))
+                             parent.metrics, parent.num_cached_tokens_by_tier)

@@ -32,7 +32,7 @@ import torch
 
 from kvserve.config import TierConfig
 from kvserve.core.kv_connector import EvictedBlock, KVConnector, TierHit
-from kvserve.core.prefix_cache import block_tokens, compute_block_hashes
+from kvserve.core.prefix_cache import block_tokens, compute_block_hashes, max_cached_blocks
 from kvserve.kv_tiers.base import Evicted, KVTier
 from kvserve.kv_tiers.codec import CorruptEntryError, decode_entry, encode_entry
 from kvserve.kv_tiers.disk import DiskTier
@@ -145,22 +145,22 @@ class TierManager(KVConnector):
             key, parent = self.key(hashes[i]), hashes[i - 1] if i else b""
             with self._lock:
                 staged = self._staged.get(key)
-            origin, blob = (staged.origin, None) if staged is not None else (CPU, None)
-            if staged is None:
-                self.stats_tokens[f"{CPU}_queries"] += self.block_size
-                blob = self.host.get(key) if self.host is not None else None
-                if blob is None:
-                    break
-                self.stats_tokens[f"{CPU}_hits"] += self.block_size
-                try:
-                    self._ready[key] = self._decode(key, blob, parent, block_tokens(request, i, self.block_size))
-                except CorruptEntryError as e:
-                    logger.warning("dropping a corrupt host-tier KV entry: %s", e)
-                    self.host.delete(key)
-                    break
-            else:
+            if staged is not None:
                 self._ready[key] = staged.data
-            hits.append(TierHit(hashes[i], origin))
+                hits.append(TierHit(hashes[i], staged.origin))
+                continue
+            self.stats_tokens[f"{CPU}_queries"] += self.block_size
+            blob = self.host.get(key) if self.host is not None else None
+            if blob is None:
+                break
+            self.stats_tokens[f"{CPU}_hits"] += self.block_size
+            try:
+                self._ready[key] = self._decode(key, blob, parent, block_tokens(request, i, self.block_size))
+            except CorruptEntryError as e:
+                logger.warning("dropping a corrupt host-tier KV entry: %s", e)
+                self.host.delete(key)
+                break
+            hits.append(TierHit(hashes[i], CPU))
         return hits
 
     def transfer(self, kv_offload: list[EvictedBlock], kv_onload: list[tuple[int, TierHit]], runner: Any) -> None:
@@ -237,7 +237,7 @@ class TierManager(KVConnector):
     def prefetch(self, request: Request, num_device_blocks: int) -> bool:
         if not self.slow:
             return False
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = max_cached_blocks(request, self.block_size)
         if num_device_blocks >= max_blocks:
             return False
         hashes = compute_block_hashes(request, max_blocks, self.block_size)

@@ -32,6 +32,15 @@ def _run(llm: LLM, prompts: list[list[int]]):
     return [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
 
 
+def _saved_to_disk(model_dir: Path, disk: str, prompt: list[int]):
+    """Run `prompt` on an engine with a disk tier and stop it: its blocks are saved to disk."""
+    llm = _llm(model_dir, num_kv_blocks=64, kv_offload_disk=disk)
+    try:
+        return _run(llm, [prompt])[0]
+    finally:
+        llm.close()  # blocks still on the device are saved to disk at shutdown
+
+
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_factory):
     return tiny_model_factory("llama")
@@ -81,9 +90,7 @@ def test_disk_admission_takes_only_blocks_hit_in_ram(model_dir, tmp_path):
 def test_disk_tier_survives_restart(model_dir, tmp_path):
     prompt = _prompts(1, 70, seed=2)[0]
     disk = str(tmp_path / "kv")
-    llm = _llm(model_dir, num_kv_blocks=64, kv_offload_disk=disk)
-    first = _run(llm, [prompt])[0]
-    llm.close()  # blocks still on the device are saved to disk at shutdown
+    first = _saved_to_disk(model_dir, disk, prompt)
     llm = _llm(model_dir, num_kv_blocks=64, kv_offload_disk=disk)
     try:
         again = _run(llm, [prompt])[0]
@@ -96,9 +103,7 @@ def test_disk_tier_survives_restart(model_dir, tmp_path):
 def test_corrupt_and_truncated_disk_entries_are_skipped_and_deleted(model_dir, tmp_path):
     prompt = _prompts(1, 70, seed=3)[0]
     disk = tmp_path / "kv"
-    llm = _llm(model_dir, num_kv_blocks=64, kv_offload_disk=str(disk))
-    first = _run(llm, [prompt])[0]
-    llm.close()
+    first = _saved_to_disk(model_dir, str(disk), prompt)
     files = sorted(disk.rglob("*.kv"))
     assert len(files) == 4
     for f in files[:2]:  # damage two of the four blocks, whichever they are
@@ -157,9 +162,7 @@ def test_many_requests_offloading_and_onloading_at_once(model_dir, tmp_path):
 def test_aborting_a_request_while_its_kv_is_fetched_leaves_nothing_staged(model_dir, tmp_path):
     prompt = _prompts(1, 70, seed=8)[0]
     disk = str(tmp_path / "kv")
-    llm = _llm(model_dir, num_kv_blocks=64, kv_offload_disk=disk)
-    _run(llm, [prompt])
-    llm.close()  # the prompt's blocks are now on disk only
+    _saved_to_disk(model_dir, disk, prompt)  # the prompt's blocks are now on disk only
     llm = _llm(model_dir, num_kv_blocks=64, kv_offload_disk=disk)
     try:
         eng, tiers = llm.engine, llm.engine.tiers
