@@ -1,4 +1,4 @@
-"""`kvserve serve | generate | chat | bench | cache` — flag names mirror `vllm serve`."""
+"""`kvserve serve | generate | chat | bench | cache | eval | quantize` — flag names mirror `vllm serve`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="HF directory or GGUF file (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
+    g.add_argument("--quantization", "-q", default=None, choices=["awq", "gptq", "int8", "fp8", "gguf", "none"],
+                   help="weight quantization (default: what the checkpoint says; none: load dequantized)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="fp8: KV stored as float8 e4m3 with per-layer scales (about 2x the tokens)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -61,7 +65,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "kv_offload_cpu": args.kv_offload_cpu, "kv_offload_disk": args.kv_offload_disk,
             "kv_offload_disk_size": args.kv_offload_disk_size, "kv_remote": args.kv_remote,
             "kv_offload_disk_min_hits": args.kv_offload_disk_min_hits, "kv_remote_min_hits": args.kv_remote_min_hits,
-            "kv_remote_write_through": args.kv_remote_write_through}
+            "kv_remote_write_through": args.kv_remote_write_through, "quantization": args.quantization,
+            "kv_cache_dtype": args.kv_cache_dtype}
 
 
 def engine_from_args(args: argparse.Namespace):
@@ -145,10 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     from kvserve.bench.throughput import add_bench_parser
+    from kvserve.eval.cli import add_eval_parser
     from kvserve.kv_tiers.cli import add_cache_parser
+    from kvserve.quant.quantize import add_quantize_parser
 
     add_bench_parser(sub)
     add_cache_parser(sub)
+    add_eval_parser(sub)
+    add_quantize_parser(sub)
     return parser
 
 

@@ -43,8 +43,13 @@ class ModelConfig:
     dtype: str = "auto"  # auto | bfloat16 | float32 | float16
     max_model_len: int | None = None
     seed: int = 0
+    # None: from the checkpoint (quantization_config, or a GGUF file); "none": load dequantized
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        from kvserve.quant.base import check_method
+
+        check_method(self.quantization)
         if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
             raise ValueError(f"dtype must be one of auto, bfloat16, float32, float16; got {self.dtype!r}")
         if self.max_model_len is not None:
@@ -61,9 +66,12 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
     enable_prefix_caching: bool = True
     prefix_cache: str = "hash"  # hash | radix
+    kv_cache_dtype: str = "auto"  # auto: the model dtype | fp8: float8 e4m3 with per-layer scales
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.num_kv_blocks is not None:
             _check_int("num_kv_blocks", self.num_kv_blocks, 1)
         if self.prefix_cache not in ("hash", "radix"):

@@ -24,8 +24,13 @@ class LLM:
                  device: str = "cpu", check_integrity: bool = False, kv_offload_cpu: int | str | None = None,
                  kv_offload_disk: str | None = None, kv_offload_disk_size: int | str = "50GiB",
                  kv_remote: str | None = None, kv_offload_disk_min_hits: int = 0, kv_remote_min_hits: int = 0,
-                 kv_remote_write_through: bool = False) -> None:
-        """kv_offload_cpu / kv_offload_disk / kv_remote: KV tiers below the device pool (sizes like '8GiB')."""
+                 kv_remote_write_through: bool = False, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
+        """kv_offload_cpu / kv_offload_disk / kv_remote: KV tiers below the device pool (sizes like '8GiB').
+
+        quantization: awq | gptq | int8 | fp8 | gguf | none; None takes it from the checkpoint.
+        kv_cache_dtype: auto (the model dtype) or fp8.
+        """
         memory = parse_size(kv_cache_memory, "kv_cache_memory") if kv_cache_memory is not None else None
         tiers = TierConfig(
             cpu_bytes=parse_size(kv_offload_cpu, "kv_offload_cpu") if kv_offload_cpu is not None else 0,
@@ -33,9 +38,10 @@ class LLM:
             remote_url=kv_remote, disk_min_hits=kv_offload_disk_min_hits, remote_min_hits=kv_remote_min_hits,
             remote_write_through=kv_remote_write_through)
         self.engine = EngineCore(
-            ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, quantization=quantization),
             CacheConfig(block_size=block_size, kv_cache_memory=memory, num_kv_blocks=num_kv_blocks,
-                        enable_prefix_caching=enable_prefix_caching, prefix_cache=prefix_cache),
+                        enable_prefix_caching=enable_prefix_caching, prefix_cache=prefix_cache,
+                        kv_cache_dtype=kv_cache_dtype),
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, device=device,
             check_integrity=check_integrity, tier_config=tiers)
 
@@ -46,7 +52,7 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> dict[str, float | int | str]:
         """Running / waiting requests, KV blocks used / total, prefix-cache counters, preemptions."""
         return self.engine.stats()
 

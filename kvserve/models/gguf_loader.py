@@ -7,6 +7,7 @@ llama.cpp's converter permutes the rows of attn_q / attn_k of Llama models
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -16,6 +17,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 # GGUF architecture -> (HF config class name, HF architecture)
 _ARCHS = {
@@ -174,24 +177,46 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_weights(reader: Any, config: Any, path: str) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
-    """(number of tensors, iterator of (HF name, float32 tensor))."""
+def gguf_weights(reader: Any, config: Any, path: str,
+                 compressed: bool = False) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+    """(number of items, iterator of (HF name, float32 tensor)).
+
+    compressed: each decoder linear whose type kvserve.quant.gguf can repack comes instead
+    as its raw rows `<prefix>.ggml_blocks` (uint8 [out, bytes per row]; llama's q/k rows
+    un-permuted, which moves whole rows of blocks) and `<prefix>.ggml_type` (0-d int64).
+    """
+    from kvserve.quant.base import linear_prefix
+    from kvserve.quant.gguf import REPACKABLE
+
     arch = gguf_architecture(reader, path)
     tensors = [t for t in reader.tensors if t.name not in _SKIP]
     for t in tensors:
         if hf_name(t.name) is None:
             raise ValueError(f"GGUF file {path!r}: unexpected tensor {t.name!r}")
+    linears = [t for t in tensors if compressed and linear_prefix(hf_name(t.name)) and t.name.endswith(".weight")]
+    raw = {t.name for t in linears if int(t.tensor_type) in REPACKABLE and len(t.data.shape) == 2}
+    others = sorted({t.tensor_type.name for t in linears if t.name not in raw})
+    if others:
+        logger.info("GGUF linears of type %s have no compressed kernel and are dequantized", ", ".join(others))
+
+    def rows(arr: np.ndarray, name: str) -> np.ndarray:
+        if arch == "llama" and ".attn_q." in name:
+            return unpermute(arr, config.num_attention_heads)
+        if arch == "llama" and ".attn_k." in name:
+            return unpermute(arr, config.num_key_value_heads)
+        return arr
 
     def gen() -> Iterator[tuple[str, torch.Tensor]]:
         for t in tensors:
-            arr = dequantize_tensor(t, path)
-            if arch == "llama" and ".attn_q." in t.name:
-                arr = unpermute(arr, config.num_attention_heads)
-            elif arch == "llama" and ".attn_k." in t.name:
-                arr = unpermute(arr, config.num_key_value_heads)
-            yield hf_name(t.name), torch.from_numpy(arr)
+            name = hf_name(t.name)
+            if t.name in raw:
+                prefix = name.removesuffix(".weight")
+                yield f"{prefix}.ggml_blocks", torch.from_numpy(np.array(rows(np.asarray(t.data), t.name)))
+                yield f"{prefix}.ggml_type", torch.tensor(int(t.tensor_type))
+            else:
+                yield name, torch.from_numpy(rows(dequantize_tensor(t, path), t.name))
 
-    return len(tensors), gen()
+    return len(tensors) + len(raw), gen()
 
 
 def _tokenizer_cache_dir(path: Path) -> Path:

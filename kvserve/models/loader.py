@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from kvserve import quant
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models import gguf_loader
 from kvserve.models.registry import model_class_for
@@ -29,6 +30,23 @@ class LoadedModel:
     tokenizer: Any  # PreTrainedTokenizerBase, chat_template set when the checkpoint has one
     dtype: torch.dtype
     model_path: str  # resolved file or directory
+    quantization: str = "none"  # how the decoder linears were loaded: none (plain --dtype) or a method
+
+    @property
+    def weight_bytes(self) -> int:
+        """Resident bytes of the model's parameters and buffers (shared storage counted once)."""
+        return weight_bytes(self.model)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
 
 
 def default_model_path() -> str:
@@ -71,29 +89,41 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def load_model(model: str | None = None, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
-    """Load an HF directory (config.json + safetensors) or a GGUF file (or a dir holding one)."""
+def load_model(model: str | None = None, dtype: str = "auto", device: str = "cpu",
+               quantization: str | None = None) -> LoadedModel:
+    """Load an HF directory (config.json + safetensors) or a GGUF file (or a dir holding one).
+
+    quantization: awq | gptq | int8 | fp8 | gguf | none, or None for what the checkpoint
+    says (its quantization_config; for a GGUF file kvserve.quant.GGUF_DEFAULT). See
+    kvserve.quant.hf_plan / gguf_plan for what each value does with each checkpoint.
+    """
     path = _resolve_path(model)
     torch_dtype = resolve_dtype(dtype, device)
     gguf_file = _find_gguf(path)
     if gguf_file is not None:
         reader = gguf_loader.open_gguf(gguf_file)
         config = gguf_loader.gguf_config(reader, str(gguf_file))
-        net = _build(config, torch_dtype, device)
-        count, weights = gguf_loader.gguf_weights(reader, config, str(gguf_file))
+        plan = quant.gguf_plan(quantization)
+        net, installer = _build(config, torch_dtype, device, plan)
+        compressed = plan is not None and plan.method.name == "gguf"
+        count, weights = gguf_loader.gguf_weights(reader, config, str(gguf_file), compressed=compressed)
         tokenizer = gguf_loader.gguf_tokenizer(gguf_file, reader)
         resolved = gguf_file
     else:
         config = _hf_config(path)
-        net = _build(config, torch_dtype, device)
+        net, installer = _build(config, torch_dtype, device, quant.hf_plan(quantization, config))
         count, weights = _safetensors_weights(path)
         tokenizer = _hf_tokenizer(path)
         resolved = path
     with tqdm(total=count, desc=f"Loading {resolved.name}", unit="tensor", leave=False) as bar:
-        net.load_weights(_progress(weights, bar))
+        weights = _progress(weights, bar)
+        net.load_weights(weights if installer is None else installer.filter(weights))
+    if installer is not None:
+        installer.finish()
     net.eval()
+    method = "none" if installer is None or installer.plan.dequantize else installer.plan.method.name
     return LoadedModel(model=net, hf_config=config, tokenizer=tokenizer, dtype=torch_dtype,
-                       model_path=str(resolved.resolve()))
+                       model_path=str(resolved.resolve()), quantization=method)
 
 
 def _progress(weights: Iterator[tuple[str, torch.Tensor]], bar: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -135,11 +165,17 @@ def _find_gguf(path: Path) -> Path | None:
     raise ValueError(f"model directory {str(path)!r} has no config.json and no .gguf file")
 
 
-def _build(config: Any, dtype: torch.dtype, device: str) -> nn.Module:
-    """Instantiate without initializing weights (meta device), then allocate on the target device."""
+def _build(config: Any, dtype: torch.dtype, device: str,
+           plan: quant.LoadPlan | None) -> tuple[nn.Module, quant.LinearInstaller | None]:
+    """Instantiate without initializing weights (meta device), then allocate on the target device.
+
+    With a quantization plan the decoder linears are replaced by placeholders first, so
+    their full-precision weights are never allocated.
+    """
     cls = model_class_for(config)
     with torch.device("meta"):
         net = cls(config)
+    installer = None if plan is None else quant.LinearInstaller(net, plan, dtype, device)
     net = net.to(dtype=dtype).to_empty(device=device)
     if getattr(net, "tie_word_embeddings", False):
         net.lm_head.weight = net.model.embed_tokens.weight  # to_empty may untie
@@ -147,7 +183,7 @@ def _build(config: Any, dtype: torch.dtype, device: str) -> nn.Module:
         if isinstance(m, RotaryEmbedding):
             m.reset_cache()
     net.requires_grad_(False)
-    return net
+    return net, installer
 
 
 def _hf_config(path: Path) -> Any:

@@ -1,0 +1,1 @@
+"""Model-quality evaluation: sliding-window perplexity and agreement of a quantized model with its reference."""

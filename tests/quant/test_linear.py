@@ -1,0 +1,128 @@
+"""Quantized linear kernels against F.linear on the dequantized weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.quant.base import QuantizedWeight, quantize_fp8, quantize_rtn
+from kvserve.quant.linear import (
+    INT4_DEQUANT_MIN_TOKENS,
+    INT8_DEQUANT_MIN_TOKENS,
+    Fp8Linear,
+    Int4Linear,
+    Int8Linear,
+    _int4_layout,
+    _unpack_int4,
+    fp8_to_bfloat16,
+    quantized_linear,
+)
+
+N_IN, N_OUT = 128, 96
+# 1-D, 3-D, and 2-D inputs long enough for the dequantize-and-matmul paths
+SHAPES = [(N_IN,), (2, 3, N_IN), (INT8_DEQUANT_MIN_TOKENS + 1, N_IN), (INT4_DEQUANT_MIN_TOKENS + 4, N_IN)]
+
+
+def _weight(kind: str, group: int | None, seed: int = 0, n_out: int = N_OUT, n_in: int = N_IN, perm: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n_out, n_in, generator=g) * 0.05
+    if kind == "fp8":
+        return quantize_fp8(w)
+    bits = 4 if kind == "int4" else 8
+    qw = quantize_rtn(w, bits, group, symmetric=kind == "int8-sym")
+    if perm:  # act-order style: stored column j holds input channel perm[j]
+        qw.perm = torch.randperm(n_in, generator=g)
+    return qw
+
+
+def _check(module, weight, dtype: torch.dtype, shape: tuple[int, ...], bias: torch.Tensor | None) -> None:
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    y = module(x)
+    assert y.dtype == dtype and tuple(y.shape) == (*shape[:-1], weight.shape[0])
+    ref = F.linear(x.float(), weight.dequantize(torch.float32), None if bias is None else bias.to(dtype).float())
+    err = (y.float() - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    # float32: only summation order differs; bf16: scales/zeros and the output are rounded to bf16
+    assert err <= (2e-6 if dtype == torch.float32 else 2e-2) * scale, f"error {err:.3g} vs max {scale:.3g}"
+
+
+CASES = [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 32), ("int8", 64), ("int8", None), ("int8-sym", None),
+         ("fp8", None)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind,group", CASES)
+def test_kernel_matches_dequantized_weight(kind, group, dtype):
+    weight = _weight(kind, group, perm=kind != "fp8")
+    bias = torch.randn(N_OUT) * 0.1
+    module = quantized_linear(weight, bias, dtype)
+    expected = {"int4": Int4Linear, "int8": Int8Linear, "int8-sym": Int8Linear, "fp8": Fp8Linear}[kind]
+    assert type(module) is expected
+    assert module.path in ("int4 kernel", "int8 kernel", "bf16 via bit shift")
+    for shape in SHAPES:
+        _check(module, weight, dtype, shape, bias)
+    # the weight the module applies, perm undone
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(module.dequantize(), weight.dequantize(torch.float32), rtol=tol, atol=tol * 0.05)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n_out,group", [(40, 32), (96, 16)])
+def test_shapes_the_int4_kernel_rejects_dequantize_per_call(bits, n_out, group):
+    """out % 16 != 0 or group 16: compact storage dequantized per call, same result."""
+    weight = _weight("int4" if bits == 4 else "int8", group, n_out=n_out)
+    module = quantized_linear(weight, None, torch.float32)
+    assert module.path == "dequantize"
+    if bits == 4:
+        assert module.codes.shape == (n_out, N_IN // 2)  # two codes per byte
+    for shape in SHAPES[:3]:
+        _check(module, weight, torch.float32, shape, None)
+
+
+def test_int4_storage_stays_compressed():
+    weight = _weight("int4", 32, perm=False)
+    module = Int4Linear(weight, None, torch.bfloat16)
+    nbytes = sum(b.numel() * b.element_size() for b in module.buffers())
+    assert nbytes == N_OUT * N_IN // 2 + (N_IN // 32) * N_OUT * 2 * 2  # codes + bf16 scale/zero per group
+
+
+def test_int4_layout_is_detected_and_decodes_every_tail():
+    """The CPU packing (ISA dependent) is recognised; full 64-row blocks and 16/32/48-row tails decode."""
+    layout = _int4_layout()
+    assert layout is not None
+    for n in (16, 48, 64, 96, 112, 128):
+        q = torch.randint(0, 16, (n, 64), generator=torch.Generator().manual_seed(n), dtype=torch.int32)
+        packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        assert torch.equal(_unpack_int4(packed, n, 64, layout), q.t().to(torch.uint8)), n
+
+
+def test_fp8_bit_shift_is_exact_for_every_code():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    finite = ~torch.isnan(codes.float())
+    assert finite.sum() == 254
+    assert torch.equal(fp8_to_bfloat16(codes)[finite], codes.to(torch.bfloat16)[finite])
+
+
+def test_asymmetric_per_channel_int8_uses_a_rank_one_correction():
+    weight = _weight("int8", None, perm=False)
+    module = Int8Linear(weight, None, torch.float32)
+    assert not weight.symmetric and module.shift is not None
+    assert module.weight_int8.dtype == torch.int8
+    _check(module, weight, torch.float32, (3, N_IN), None)
+
+
+def test_bad_inputs_raise_value_errors():
+    int4 = _weight("int4", 32)
+    with pytest.raises(ValueError, match="Int8Linear needs an 8-bit weight"):
+        Int8Linear(int4, None, torch.float32)
+    with pytest.raises(ValueError, match="Int4Linear needs a 4-bit weight"):
+        Int4Linear(_weight("int8", 32), None, torch.float32)
+    with pytest.raises(ValueError, match="bias has shape"):
+        Int4Linear(int4, torch.zeros(3), torch.float32)
+    fp8 = _weight("fp8", None)
+    fp8.scale = fp8.scale[:5]
+    with pytest.raises(ValueError, match="fp8 weight scale has shape"):
+        Fp8Linear(fp8, None, torch.float32)
+    with pytest.raises(ValueError, match="group_size 48 does not divide"):
+        QuantizedWeight(int4.q, int4.scale, int4.offset, 4, 48)
