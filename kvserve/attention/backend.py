@@ -35,11 +35,23 @@ class AttentionMetadata:
         return self.query_start_loc[-1]
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8 e4m3fn
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale as float8 e4m3fn, saturated to +-448 (a plain cast may give NaN out of range)."""
+    return torch.clamp(x * (1.0 / scale), -FP8_MAX, FP8_MAX).to(FP8)
+
+
 class AttentionBackend(ABC):
     """Writes the new K/V of a flat batch into the paged cache and attends.
 
     Contract: every token's K/V is written before any attention is computed, so
     a request may read blocks that another request in the same batch writes.
+    A float8 e4m3fn cache (kv_cache_dtype fp8) holds quantize_fp8(k, k_scale) and
+    quantize_fp8(v, v_scale) and is read back as code * scale; other caches hold K/V
+    in their own dtype and the scales are 1.
     """
 
     name: str = ""
@@ -54,6 +66,8 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [T, Hq, D]
         ...
 

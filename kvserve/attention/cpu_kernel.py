@@ -2,7 +2,9 @@
 
 Decode attention with torch ops must first gather every request's K/V out of
 the pages and copy it into a matmul-friendly layout: three passes over memory
-for a few flops per byte. This kernel reads K/V in place from the pages, once.
+for a few flops per byte. This kernel reads K/V in place from the pages, once,
+from float32, bfloat16 or float8 e4m3 caches (an fp8 cache is converted in
+registers: half the bytes of bf16 to read).
 It is loaded with ctypes (no torch headers, so it builds in about a second);
 when no C compiler is available the torch path is used instead.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -28,6 +31,9 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = ((uint32_t)x) << 16; float f; memcpy(&f, &u, 4); return f;
@@ -35,25 +41,78 @@ static inline float bf16_to_f32(uint16_t x) {
 static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even */
     uint32_t u; memcpy(&u, &f, 4); u += 0x7FFFu + ((u >> 16) & 1u); return (uint16_t)(u >> 16);
 }
-static inline void load_row(const void *base, int64_t idx, int64_t d, int bf16, float *dst) {
-    if (bf16) {
+/* e4m3fn codes -> their values times 2^-8 as f32, exact for every finite code; callers fold
+   the 2^8 into their scales. With AVX-512: a code sign-extended to 16 bits, shifted left by 7
+   and bit 14 cleared is an IEEE half of the same sign and mantissa, exponent bias 15 instead of
+   7 (hence 2^-8; e4m3 subnormals land on half subnormals), and one instruction (vcvtph2ps)
+   turns 16 halves into floats: 4 instructions for 16 codes.
+   Elsewhere: the 7 magnitude bits at bit 20 of a float with 120 added to the exponent for
+   normal codes, m * 2^-9 for subnormal ones; no float denormal is ever multiplied (an x86
+   microcode assist). */
+static inline float fp8_to_f32_lo(uint8_t x) {
+    const uint32_t mag = x & 0x7Fu;
+    uint32_t u = (mag << 20) + (120u << 23);
+    float f; memcpy(&f, &u, 4);
+    f = (mag < 8u ? (float)mag * 0x1p-9f : f) * 0x1p-8f;
+    memcpy(&u, &f, 4);
+    u |= (uint32_t)(x & 0x80u) << 24;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline void fp8_row_to_f32_lo(const uint8_t *src, int64_t n, float *dst) {
+    int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX2__)
+    const __m256i keep = _mm256_set1_epi16((short)0xBFFF);
+    for (; i + 16 <= n; i += 16) {
+        const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(src + i)));
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(w, 7), keep)));
+    }
+#endif
+    #pragma omp simd
+    for (int64_t j = i; j < n; ++j) dst[j] = fp8_to_f32_lo(src[j]);
+}
+/* The e4m3fn code of f, rounded to nearest even and saturated to +-448 (NaN stays NaN), as
+   torch's clamp-then-cast. Normal results: round the f32 mantissa to 3 bits, then rebias the
+   exponent field. Subnormal ones (|f| < 2^-6): adding 2^23 to |f| * 2^9 rounds it to the
+   integer m in the low bits (code m, value m * 2^-9). Branch-free, so it vectorizes. */
+static inline uint8_t f32_to_fp8(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    float a = fabsf(f);
+    const int nan = a != a;
+    a = a > 448.f ? 448.f : a;
+    uint32_t ua; memcpy(&ua, &a, 4);
+    const uint32_t normal = ((ua + 0x7FFFFu + ((ua >> 20) & 1u)) >> 20) - (120u << 3);
+    const float t = a * 512.f + 0x1p23f;
+    uint32_t ut; memcpy(&ut, &t, 4);
+    const uint32_t code = nan ? 0x7Fu : a < 0x1p-6f ? (ut & 0xFu) : normal;
+    return (uint8_t)(((u >> 24) & 0x80u) | code);
+}
+enum { ROW_F32 = 0, ROW_BF16 = 1, ROW_FP8 = 2 };
+static inline void load_row(const void *base, int64_t idx, int64_t d, int kind, float *dst) {
+    if (kind == ROW_BF16) {
         const uint16_t *src = (const uint16_t *)base + idx;
         #pragma omp simd
         for (int64_t i = 0; i < d; ++i) dst[i] = bf16_to_f32(src[i]);
+    } else if (kind == ROW_FP8) {
+        const uint8_t *src = (const uint8_t *)base + idx;
+        fp8_row_to_f32_lo(src, d, dst);
     } else {
         memcpy(dst, (const float *)base + idx, (size_t)d * sizeof(float));
     }
 }
 
-/* q, out: [B, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; tables: [B, table_stride].
+/* q, out: [B, Hq, D] (f32, or bf16 if q_bf16); caches: [num_blocks, block_size, Hkv, D] of kv_kind;
+   tables: [B, table_stride]. Scores are q.k * scale and the output is sum p v * v_scale, so an fp8
+   cache's per-layer scales cost nothing: k's is folded into scale, v's into the softmax norm.
    One task per request, reading each position's K and V for all heads at once: a
    position's heads share cache lines, so splitting heads across tasks would fetch
    every line once per head. */
 void paged_decode(const void *q, const void *k_cache, const void *v_cache, void *out,
                   const int64_t *tables, int64_t table_stride, const int64_t *seq_lens,
                   int64_t num_reqs, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
-                  int64_t max_len, float scale, int bf16, int num_threads) {
+                  int64_t max_len, float scale, float v_scale, int q_bf16, int kv_kind, int num_threads) {
     const int64_t g = hq / hkv, width = hkv * d;
+    if (kv_kind == ROW_FP8) { scale *= 256.f; v_scale *= 256.f; }  /* fp8_row_to_f32_lo's 2^-8 */
     #pragma omp parallel num_threads(num_threads)
     {
         float *qf = malloc(sizeof(float) * hq * d);
@@ -65,11 +124,11 @@ void paged_decode(const void *q, const void *k_cache, const void *v_cache, void 
         for (int64_t b = 0; b < num_reqs; ++b) {
             const int64_t len = seq_lens[b];
             const int64_t *table = tables + b * table_stride;
-            load_row(q, b * hq * d, hq * d, bf16, qf);
+            load_row(q, b * hq * d, hq * d, q_bf16 ? ROW_BF16 : ROW_F32, qf);
             for (int64_t j = 0; j < hq; ++j) mx[j] = -INFINITY;
             for (int64_t t = 0; t < len; ++t) {
                 const int64_t slot = table[t / block_size] * block_size + t % block_size;
-                load_row(k_cache, slot * width, width, bf16, row);
+                load_row(k_cache, slot * width, width, kv_kind, row);
                 for (int64_t j = 0; j < hq; ++j) {
                     const float *qj = qf + j * d, *kj = row + (j / g) * d;
                     float s = 0.f;
@@ -85,14 +144,14 @@ void paged_decode(const void *q, const void *k_cache, const void *v_cache, void 
                 const float m = mx[j];
                 #pragma omp simd reduction(+:sum)
                 for (int64_t t = 0; t < len; ++t) { sj[t] = expf(sj[t] - m); sum += sj[t]; }
-                const float inv = 1.f / sum;
+                const float inv = v_scale / sum;
                 #pragma omp simd
                 for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
             }
             memset(acc, 0, sizeof(float) * hq * d);
             for (int64_t t = 0; t < len; ++t) {
                 const int64_t slot = table[t / block_size] * block_size + t % block_size;
-                load_row(v_cache, slot * width, width, bf16, row);
+                load_row(v_cache, slot * width, width, kv_kind, row);
                 for (int64_t j = 0; j < hq; ++j) {
                     const float p = scores[j * max_len + t], *vj = row + (j / g) * d;
                     float *aj = acc + j * d;
@@ -100,7 +159,7 @@ void paged_decode(const void *q, const void *k_cache, const void *v_cache, void 
                     for (int64_t i = 0; i < d; ++i) aj[i] += p * vj[i];
                 }
             }
-            if (bf16) {
+            if (q_bf16) {
                 uint16_t *dst = (uint16_t *)out + b * hq * d;
                 for (int64_t i = 0; i < hq * d; ++i) dst[i] = f32_to_bf16(acc[i]);
             } else {
@@ -108,6 +167,50 @@ void paged_decode(const void *q, const void *k_cache, const void *v_cache, void 
             }
         }
         free(qf); free(acc); free(row); free(scores); free(mx);
+    }
+}
+
+/* cache row slots[t] = f32_to_fp8(x[t] * inv_scale) for the n rows of x (f32, or bf16 if x_bf16;
+   width elements each, x_stride apart): an fp8 cache's write in one call instead of five torch ops. */
+void write_fp8(const void *x, int x_bf16, int64_t x_stride, const int64_t *slots, int64_t n, int64_t width,
+               float inv_scale, uint8_t *cache) {
+    for (int64_t t = 0; t < n; ++t) {
+        uint8_t *dst = cache + slots[t] * width;
+        if (x_bf16) {
+            const uint16_t *src = (const uint16_t *)x + t * x_stride;
+            #pragma omp simd
+            for (int64_t i = 0; i < width; ++i) dst[i] = f32_to_fp8(bf16_to_f32(src[i]) * inv_scale);
+        } else {
+            const float *src = (const float *)x + t * x_stride;
+            #pragma omp simd
+            for (int64_t i = 0; i < width; ++i) dst[i] = f32_to_fp8(src[i] * inv_scale);
+        }
+    }
+}
+
+/* out[i] = block ids[i] of an fp8 cache (elems codes per block) times scale, as f32 or bf16:
+   the context of a prefill that reads the cache, in one pass (gather, convert and scale with
+   torch ops take ~5x as long: its float8 conversion is scalar). */
+void dequant_blocks(const uint8_t *cache, const int64_t *ids, int64_t n, int64_t elems, float scale, void *out,
+                    int out_bf16, int num_threads) {
+    scale *= 256.f;  /* fp8_row_to_f32_lo's 2^-8 */
+    #pragma omp parallel num_threads(num_threads)
+    {
+        float *row = malloc(sizeof(float) * elems);
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < n; ++b) {
+            fp8_row_to_f32_lo(cache + ids[b] * elems, elems, row);
+            if (out_bf16) {
+                uint16_t *dst = (uint16_t *)out + b * elems;
+                #pragma omp simd
+                for (int64_t i = 0; i < elems; ++i) dst[i] = f32_to_bf16(row[i] * scale);
+            } else {
+                float *dst = (float *)out + b * elems;
+                #pragma omp simd
+                for (int64_t i = 0; i < elems; ++i) dst[i] = row[i] * scale;
+            }
+        }
+        free(row);
     }
 }
 """
@@ -155,8 +258,13 @@ def _build() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(lib_path))
     lib.paged_decode.restype = None
     i64, vp = ctypes.c_int64, ctypes.c_void_p
-    lib.paged_decode.argtypes = [vp, vp, vp, vp, vp, i64, vp, i64, i64, i64, i64, i64, i64,
-                                 ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    f32, c_int = ctypes.c_float, ctypes.c_int
+    lib.paged_decode.argtypes = [vp, vp, vp, vp, vp, i64, vp, i64, i64, i64, i64, i64, i64, f32, f32, c_int, c_int,
+                                 c_int]
+    lib.dequant_blocks.restype = None
+    lib.dequant_blocks.argtypes = [vp, vp, i64, i64, f32, vp, c_int, c_int]
+    lib.write_fp8.restype = None
+    lib.write_fp8.argtypes = [vp, c_int, i64, vp, i64, i64, f32, vp]
     return lib
 
 
@@ -175,15 +283,23 @@ def load_kernel() -> ctypes.CDLL | None:
     return _lib
 
 
+_ROW_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}  # load_row's kinds in the C source
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """q is float32 or bfloat16 on the CPU and the cache holds q's dtype or float8 e4m3 (fp8 KV cache)."""
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-            and k_cache.dtype == q.dtype
+            and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
             and load_kernel() is not None)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
-    """q [B, Hq, D] (one token per request) -> attention output [B, Hq, D]."""
+                 seq_lens: torch.Tensor, max_len: int, scale: float, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> torch.Tensor:
+    """q [B, Hq, D] (one token per request) -> attention output [B, Hq, D].
+
+    The caches hold K / k_scale and V / v_scale (scales are 1 unless the cache is fp8).
+    """
     lib = load_kernel()
     assert lib is not None
     q = q.contiguous()
@@ -193,6 +309,48 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     b, hq, d = q.shape
     lib.paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                      tables.data_ptr(), tables.shape[1], lens.data_ptr(), b, hq, k_cache.shape[2], d,
-                     k_cache.shape[1], max_len, scale, int(q.dtype == torch.bfloat16),
-                     torch.get_num_threads())
+                     k_cache.shape[1], max_len, scale * k_scale, v_scale, int(q.dtype == torch.bfloat16),
+                     _ROW_KIND[k_cache.dtype], torch.get_num_threads())
     return out
+
+
+def supports_dequant(cache: torch.Tensor, dtype: torch.dtype) -> bool:
+    """dequant_blocks handles this cache: float8 e4m3 on the CPU, read as float32 or bfloat16."""
+    return (cache.device.type == "cpu" and cache.dtype == torch.float8_e4m3fn
+            and dtype in (torch.float32, torch.bfloat16) and load_kernel() is not None)
+
+
+def dequant_blocks(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """cache [num_blocks, *block] float8 -> [len(block_ids), *block] in dtype, each code times scale."""
+    lib = load_kernel()
+    assert lib is not None
+    cache = cache.contiguous()
+    ids = block_ids.to(torch.int64).contiguous()
+    elems = cache[0].numel()
+    out = torch.empty((ids.numel(), *cache.shape[1:]), dtype=dtype)
+    lib.dequant_blocks(cache.data_ptr(), ids.data_ptr(), ids.numel(), elems, scale, out.data_ptr(),
+                       int(dtype == torch.bfloat16), torch.get_num_threads())
+    return out
+
+
+def supports_write(cache: torch.Tensor, x: torch.Tensor) -> bool:
+    """write_fp8 handles this write: a float8 e4m3 cache on the CPU, x float32 or bfloat16."""
+    return (cache.device.type == "cpu" and cache.dtype == torch.float8_e4m3fn and x.device.type == "cpu"
+            and x.dtype in (torch.float32, torch.bfloat16) and load_kernel() is not None)
+
+
+def write_fp8(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float) -> None:
+    """Store x [T, *row] as float8 codes of x / scale, saturated to +-448, at these slots of
+    cache [num_blocks, block_size, *row]: quantize_fp8 and the scatter in one pass, bit-exact.
+    Called twice per layer and step, so it avoids torch ops where an attribute check will do."""
+    lib = load_kernel()
+    assert lib is not None and cache.dtype == torch.float8_e4m3fn and cache.is_contiguous()
+    width = math.prod(cache.shape[2:])
+    # Rows of x may sit apart (K and V are column slices of the fused qkv output); within a row
+    # the elements must be dense.
+    if x.stride(-1) != 1 or any(x.stride(i) != math.prod(x.shape[i + 1:]) for i in range(1, x.dim() - 1)):
+        x = x.contiguous()
+    if slots.dtype != torch.int64 or not slots.is_contiguous():
+        slots = slots.to(torch.int64).contiguous()
+    lib.write_fp8(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), slots.data_ptr(), slots.numel(),
+                  width, 1.0 / scale, cache.data_ptr())

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention import cpu_kernel
-from kvserve.attention.backend import AttentionBackend, AttentionMetadata, register_backend
+from kvserve.attention.backend import FP8, AttentionBackend, AttentionMetadata, quantize_fp8, register_backend
 
 # Decodes are grouped by context length so that padding to the group's longest
 # context wastes at most this fraction of the gathered K/V.
@@ -37,27 +37,51 @@ class TorchAttentionBackend(AttentionBackend):
             buf = self._buffers[name] = torch.empty(n, dtype=like.dtype, device=like.device)
         return buf[:n].view(shape)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                v_scale: float = 1.0):
+        self._write(k_cache, meta.slot_mapping, k, k_scale)
+        self._write(v_cache, meta.slot_mapping, v, v_scale)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd and self.use_c_kernel and cpu_kernel.supports(q, k_cache):
             out[:nd] = cpu_kernel.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                               meta.seq_lens_tensor[:nd], max(meta.seq_lens[:nd]), scale)
+                                               meta.seq_lens_tensor[:nd], max(meta.seq_lens[:nd]), scale,
+                                               k_scale, v_scale)
         elif nd:
+            # The K scale folds into the softmax scale and the V scale into the output.
             for group in _decode_groups(meta.seq_lens[:nd]):
-                out[group] = self._decode(q[group], k_cache, v_cache, meta, group, scale)
+                o = self._decode(q[group], k_cache, v_cache, meta, group, scale * k_scale)
+                out[group] = o if v_scale == 1.0 else o * v_scale
         for i in range(nd, meta.num_reqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             seq_len = meta.seq_lens[i]
             if seq_len == end - start:  # no cached context: attend to the fresh K/V
                 kk, vv = k[start:end], v[start:end]
             else:
-                kk, vv = _gather(k_cache, v_cache, meta.block_tables[i], seq_len, meta.block_size)
+                ids = meta.block_tables[i, :-(-seq_len // meta.block_size)]
+                kk = self._gather(k_cache, ids, q.dtype, k_scale)[:seq_len]
+                vv = self._gather(v_cache, ids, q.dtype, v_scale)[:seq_len]
             out[start:end] = _prefill(q[start:end], kk, vv, seq_len, scale)
         return out
+
+    def _write(self, cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float) -> None:
+        """Store x [T, Hkv, D] at these slots of cache [num_blocks, block_size, Hkv, D]."""
+        rows = cache.view(-1, *cache.shape[2:])
+        if cache.dtype != FP8:
+            rows.index_copy_(0, slots, x.to(cache.dtype))
+        elif self.use_c_kernel and cpu_kernel.supports_write(cache, x):
+            cpu_kernel.write_fp8(cache, slots, x, scale)
+        else:  # index_copy_ has no float8 kernel on the CPU: copy the codes as bytes
+            rows.view(torch.uint8).index_copy_(0, slots, quantize_fp8(x, scale).view(torch.uint8))
+
+    def _gather(self, cache: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+        """These blocks' K or V as [len(ids) * block_size, Hkv, D]: codes * scale in dtype for an fp8
+        cache, else rows of the cache's own dtype (the caller casts)."""
+        shape = (-1,) + tuple(cache.shape[2:])
+        if cache.dtype == FP8 and self.use_c_kernel and cpu_kernel.supports_dequant(cache, dtype):
+            return cpu_kernel.dequant_blocks(cache, ids, dtype, scale).view(shape)
+        rows = _select_blocks(cache, ids).view(shape)
+        return rows.to(dtype) * scale if cache.dtype == FP8 else rows
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, group: slice | list[int], scale: float):
         """One query token per request; each attends to its whole context.
@@ -85,18 +109,18 @@ class TorchAttentionBackend(AttentionBackend):
         return torch.matmul(probs, vv).view(b, hq, d)
 
     def _gather_rows(self, name: str, cache: torch.Tensor, blocks: torch.Tensor, dtype) -> torch.Tensor:
-        rows = cache.view(cache.shape[0], -1)
-        out = self._buffer(name, (blocks.numel(), rows.shape[1]), cache)
-        torch.index_select(rows, 0, blocks, out=out)
+        out = self._buffer(name, (blocks.numel(), cache[0].numel()), cache)
+        _select_blocks(cache, blocks, out)
         return out if out.dtype == dtype else out.to(dtype)
 
 
-def _gather(k_cache, v_cache, block_table, seq_len: int, block_size: int):
-    ids = block_table[:-(-seq_len // block_size)]
-    rows, shape = k_cache.shape[0], (-1,) + tuple(k_cache.shape[2:])
-    k = torch.index_select(k_cache.view(rows, -1), 0, ids).view(shape)[:seq_len]
-    v = torch.index_select(v_cache.view(rows, -1), 0, ids).view(shape)[:seq_len]
-    return k, v
+def _select_blocks(cache: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """cache[ids] as [len(ids), block elements] (into out if given), copied with index_select on a 2-D
+    view: a row copy, far faster than advanced indexing."""
+    rows = cache.view(cache.shape[0], -1)
+    if cache.dtype == FP8:  # as bytes: some torch builds have no float8 index_select on CUDA
+        rows, out = rows.view(torch.uint8), None if out is None else out.view(torch.uint8)
+    return torch.index_select(rows, 0, ids, out=out).view(cache.dtype)
 
 
 def _prefill(q, k, v, seq_len: int, scale: float):

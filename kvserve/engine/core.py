@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import itertools
+import logging
 import time
 
 import torch
@@ -20,11 +21,25 @@ from kvserve.models.loader import load_model
 from kvserve.outputs import RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
-from kvserve.worker.model_runner import ModelRunner, ModelRunnerOutput, kv_bytes_per_block
+from kvserve.worker.model_runner import ModelRunner, ModelRunnerOutput, kv_bytes_per_block, kv_dtype_of
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 DEFAULT_MAX_MODEL_LEN = 8192
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# The fixed prompt whose K/V set the fp8 KV cache scales (kv_cache_dtype='fp8'): prose, a list,
+# code and numbers in a chat turn, like what is served; fixed, so every start of a model (and
+# every replica sharing KV tiers) calibrates the same scales.
+KV_CALIBRATION_TEXT = (
+    "Summarize the following notes for a colleague, then answer the question at the end.\n"
+    "1. The quarterly report is due on March 31; figures for Q1 2024 grew 12.5% over Q4 2023.\n"
+    "2. def mean(xs: list[float]) -> float:\n       return sum(xs) / len(xs) if xs else 0.0\n"
+    "3. Paris, Tokyo and Nairobi host the next three meetings (09:30 UTC, room B-214).\n"
+    "Question: why does a paged KV cache waste less memory than one contiguous buffer per request? "
+    "Explain it step by step, with an example of 3 requests of 17, 250 and 1,024 tokens."
+)
+KV_CALIBRATION_MAX_TOKENS = 256
 
 
 class EngineCore:
@@ -32,22 +47,28 @@ class EngineCore:
                  max_num_batched_tokens: int | None = None, device: str = "cpu",
                  check_integrity: bool = False, tier_config: TierConfig | None = None) -> None:
         torch.manual_seed(model_config.seed)
-        loaded = load_model(model_config.model, model_config.dtype, device)
+        loaded = load_model(model_config.model, model_config.dtype, device, model_config.quantization)
         self.model_config = model_config
         self.cache_config = cache_config
         self.hf_config = loaded.hf_config
         self.tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
         self.model_path = loaded.model_path
+        self.quantization = loaded.quantization
+        self.weight_bytes = loaded.weight_bytes
+        logger.info("model %s: %s weights, quantization %s, %.1f MB resident", self.model_path,
+                    str(self.dtype).removeprefix("torch."), self.quantization, self.weight_bytes / 1e6)
         self.max_model_len = self._max_model_len(model_config.max_model_len)
         self.vocab_size = self.hf_config.vocab_size
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_model_len=self.max_model_len)
+        self.kv_dtype = kv_dtype_of(cache_config.kv_cache_dtype, self.dtype)
         num_blocks = self._num_blocks(cache_config)
+        calibration = self._kv_calibration_ids() if cache_config.kv_cache_dtype == "fp8" else None
         self.runner = ModelRunner(loaded.model, self.hf_config, loaded.dtype, num_blocks,
-                                  cache_config.block_size, device)
+                                  cache_config.block_size, device, cache_config.kv_cache_dtype, calibration)
         self.eos_token_id = self._eos_token_id()
         self.runner.eos_token_id = self.eos_token_id
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
@@ -70,17 +91,29 @@ class EngineCore:
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         memory = cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-        n = memory // kv_bytes_per_block(self.hf_config, cache.block_size, self.dtype)
+        n = memory // kv_bytes_per_block(self.hf_config, cache.block_size, self.kv_dtype)
         if n < 1:
             raise ValueError(f"kv_cache_memory ({memory} bytes) is too small to hold one KV block")
         return int(n)
+
+    def _kv_calibration_ids(self) -> list[int]:
+        """KV_CALIBRATION_TEXT as a user turn of the chat template (plain text without one)."""
+        tok = self.tokenizer
+        message = [{"role": "user", "content": KV_CALIBRATION_TEXT}]
+        if getattr(tok, "chat_template", None):
+            out = tok.apply_chat_template(message, add_generation_prompt=True, tokenize=True)
+            ids = list(out["input_ids"] if hasattr(out, "keys") else out)  # transformers 5: a BatchEncoding
+        else:
+            ids = list(tok(KV_CALIBRATION_TEXT)["input_ids"])
+        return [t for t in ids if 0 <= t < self.vocab_size][:min(KV_CALIBRATION_MAX_TOKENS, self.max_model_len)]
 
     def _tiers(self, cfg: TierConfig):
         from kvserve.kv_tiers.manager import TierManager, model_fingerprint
 
         shape = self.runner.kv_block_shape
-        tiers = TierManager(cfg, model_fingerprint(self.model_path, self.dtype, shape),
-                            self.cache_config.block_size, shape, self.dtype)
+        weights = f"{self.dtype}|{self.quantization}"  # the same file loaded another way computes other K/V
+        fingerprint = model_fingerprint(self.model_path, weights, self.kv_dtype, shape, self.runner.kv_scales)
+        tiers = TierManager(cfg, fingerprint, self.cache_config.block_size, shape, self.kv_dtype)
         self.kv.attach_connector(tiers)
         atexit.register(self.close)  # queued tier writes and the disk tier's save happen at exit too
         return tiers
@@ -186,12 +219,18 @@ class EngineCore:
     def kv_usage(self) -> float:
         return self.kv.usage
 
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> dict[str, float | int | str]:
+        block_bytes = kv_bytes_per_block(self.hf_config, self.kv.block_size, self.kv_dtype)
         return {
+            "quantization": self.quantization,
+            "weight_bytes": self.weight_bytes,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "kv_blocks_used": self.kv.num_used_blocks,
             "kv_blocks_total": self.kv.num_blocks,
+            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),  # float8_e4m3fn with fp8
+            "kv_cache_bytes": self.kv.num_blocks * block_bytes,  # the KV tensors, in the KV dtype
+            "kv_capacity_tokens": self.kv.num_blocks * self.kv.block_size,
             "kv_usage": self.kv.usage,
             "prefix_cache_queries": self.kv.prefix_cache_queries,
             "prefix_cache_hits": self.kv.prefix_cache_hits,

@@ -123,7 +123,7 @@ class ErrorMsg(TypedDict):
 class StatsResultMsg(TypedDict):
     type: Literal["stats_result"]
     query_id: int
-    stats: dict[str, float | int]
+    stats: dict[str, float | int | str]
 
 
 class FatalMsg(TypedDict):

@@ -50,10 +50,13 @@ FLUSH_BUDGET_S = 10.0  # at close: how long pending writes may take
 _SAMPLE = 1 << 20
 
 
-def model_fingerprint(model_path: str, dtype: torch.dtype, block_shape: tuple[int, ...]) -> bytes:
+def model_fingerprint(model_path: str, weights: str, dtype: torch.dtype, block_shape: tuple[int, ...],
+                      kv_scales: torch.Tensor | None = None) -> bytes:
     """Identity of what a KV block depends on besides its tokens: the weights (each weight
     file's name, size, first and last MiB, so the same checkpoint matches on any machine),
-    the KV dtype and the block layout. Cheap: never reads whole files."""
+    how they were loaded (`weights`: compute dtype and quantization), the KV dtype, the
+    block layout and, for an fp8 cache, the per-layer scales its codes are read with.
+    Cheap: never reads whole files."""
     h = hashlib.sha256(b"kvserve.fingerprint.v1")
     root = Path(model_path)
     files = [root] if root.is_file() else sorted(p for p in root.iterdir() if p.is_file() and (
@@ -66,7 +69,9 @@ def model_fingerprint(model_path: str, dtype: torch.dtype, block_shape: tuple[in
             if size > 2 * _SAMPLE:
                 fh.seek(size - _SAMPLE)
                 h.update(fh.read(_SAMPLE))
-    h.update(f"{dtype}\0{list(block_shape)}".encode())
+    h.update(f"{weights}\0{dtype}\0{list(block_shape)}".encode())
+    if kv_scales is not None:
+        h.update(b"\0kv_scales\0" + kv_scales.to(torch.float32).contiguous().numpy().tobytes())
     return h.digest()
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kvserve.attention import AttentionMetadata, cpu_kernel, get_backend, set_attention_backend
+from kvserve.attention import FP8, FP8_MAX, Attention, AttentionMetadata, cpu_kernel, get_backend, set_attention_backend
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
@@ -39,7 +39,34 @@ class _ReqState:
     generator: torch.Generator | None
 
 
+# The calibration prompt's max |K| (|V|) lands at most at 448 / KV_SCALE_MARGIN in the fp8 cache
+# (between 448/4 and 448/2 after rounding the scale to a power of two): headroom for prompts whose
+# K/V run larger than the calibration prompt's before they saturate.
+KV_SCALE_MARGIN = 2.0
+
+
+def kv_dtype_of(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the KV tensors are stored in: the model's ('auto') or float8 e4m3fn ('fp8')."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype == "fp8":
+        return FP8
+    raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
+
+
+def fp8_kv_scales(amax: torch.Tensor) -> torch.Tensor:
+    """Per-layer scales [L, 2] (K, V) from the calibration max |K|, |V| [L, 2]: the smallest power of
+    two s with amax * KV_SCALE_MARGIN / s <= 448 (1 where amax is 0). A power of two makes x / s exact,
+    leaving only the fp8 rounding, and gives the same scales on every machine unless amax sits on a
+    boundary, so replicas sharing KV tiers agree."""
+    if not torch.isfinite(amax).all():
+        raise ValueError(f"fp8 KV calibration: max |K|, |V| per layer are not finite: {amax.tolist()}")
+    scales = torch.exp2(torch.ceil(torch.log2(amax.double() * KV_SCALE_MARGIN / FP8_MAX))).float()
+    return torch.where(amax > 0, scales, torch.ones_like(scales))
+
+
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V of all layers for one block, with KV stored in dtype (the KV dtype)."""
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * hf_config.num_hidden_layers * block_size * hf_config.num_key_value_heads * head_dim * elem
@@ -47,7 +74,10 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, hf_config, dtype: torch.dtype, num_blocks: int,
-                 block_size: int, device: torch.device | str = "cpu") -> None:
+                 block_size: int, device: torch.device | str = "cpu", kv_cache_dtype: str = "auto",
+                 kv_calibration_ids: list[int] | None = None) -> None:
+        """kv_cache_dtype 'fp8' stores K/V as float8 e4m3fn with per-layer scales calibrated here by
+        one forward of kv_calibration_ids (required then); 'auto' stores them in the model dtype."""
         self.model = model
         # One backend instance for all layers, so its scratch buffers are shared.
         set_attention_backend(model, get_backend("torch"))
@@ -57,14 +87,49 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.vocab_size = hf_config.vocab_size
+        self.dtype = dtype
+        self.kv_dtype = kv_dtype_of(kv_cache_dtype, dtype)
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         shape = (num_blocks, block_size, hf_config.num_key_value_heads, head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
-                           torch.zeros(shape, dtype=dtype, device=self.device))
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                           for _ in range(hf_config.num_hidden_layers)]
+        # fp8: (k_scale, v_scale) of each Attention layer in model order; the layers hold them too.
+        self.kv_scales: torch.Tensor | None = None
+        if self.kv_dtype == FP8:
+            if not kv_calibration_ids:
+                raise ValueError("kv_cache_dtype='fp8' needs kv_calibration_ids: a prompt to calibrate the KV scales")
+            self.kv_scales = self._calibrate_kv_scales(kv_calibration_ids)
         self.sampler = Sampler()
         self.requests: dict[str, _ReqState] = {}
         self.eos_token_id: int | None = None
+
+    @torch.inference_mode()
+    def _calibrate_kv_scales(self, token_ids: list[int]) -> torch.Tensor:
+        """Prefill token_ids into a scratch cache in the model dtype while each Attention layer records
+        max |K| and |V|; set and return the layers' fp8 scales [layers, 2]."""
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        n, dev = len(token_ids), self.device
+        nblocks = -(-n // self.block_size)
+        shape = (nblocks, *self.kv_caches[0][0].shape[1:])
+        scratch = [(torch.zeros(shape, dtype=self.dtype, device=dev), torch.zeros(shape, dtype=self.dtype, device=dev))
+                   for _ in self.kv_caches]
+        meta = AttentionMetadata(
+            num_decodes=0, query_start_loc=[0, n], seq_lens=[n], slot_mapping=torch.arange(n, device=dev),
+            block_tables=torch.arange(nblocks, device=dev)[None], seq_lens_tensor=torch.tensor([n], device=dev),
+            block_size=self.block_size)
+        for m in layers:
+            m.kv_amax = torch.zeros(2, device=dev)
+        try:
+            self.model(torch.tensor(token_ids, device=dev), torch.arange(n, device=dev), scratch, meta)
+            amax = torch.stack([m.kv_amax for m in layers]).cpu()
+        finally:
+            for m in layers:
+                m.kv_amax = None
+        scales = fp8_kv_scales(amax)
+        for m, (k_scale, v_scale) in zip(layers, scales.tolist()):
+            m.k_scale, m.v_scale = k_scale, v_scale
+        return scales
 
     # ---- KV blocks in and out (the KV tiers, kv_tiers/manager.py) -------------
 
@@ -78,18 +143,22 @@ class ModelRunner:
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A host copy of these blocks' K/V, [n, *kv_block_shape]."""
         idx = torch.tensor(block_ids, device=self.device)
-        per_layer = [torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1)
-                     for k, v in self.kv_caches]
-        return torch.stack(per_layer, dim=1).cpu()
+        # As bytes, like write_kv_blocks: float8 index kernels are missing on some devices.
+        per_layer = [torch.stack((k.view(torch.uint8).index_select(0, idx), v.view(torch.uint8).index_select(0, idx)),
+                                 dim=1) for k, v in self.kv_caches]
+        return torch.stack(per_layer, dim=1).cpu().view(self.kv_dtype)
 
     @torch.inference_mode()
     def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Fill these blocks with K/V laid out as read_kv_blocks returns them."""
+        if data.dtype != self.kv_dtype:
+            raise ValueError(f"KV block data is {data.dtype}, the KV cache holds {self.kv_dtype}")
         idx = torch.tensor(block_ids, device=self.device)
-        data = data.to(self.device)
+        # As bytes: index_copy_ has no float8 kernel on the CPU; a byte copy is exact for every dtype.
+        data = data.to(self.device).contiguous().view(torch.uint8)
         for layer, (k, v) in enumerate(self.kv_caches):
-            k.index_copy_(0, idx, data[:, layer, 0])
-            v.index_copy_(0, idx, data[:, layer, 1])
+            k.view(torch.uint8).index_copy_(0, idx, data[:, layer, 0])
+            v.view(torch.uint8).index_copy_(0, idx, data[:, layer, 1])
 
     # ---- state ------------------------------------------------------------
 
