@@ -5,7 +5,8 @@
 #   scripts/bench_serving.sh prefix      # TTFT with prefix caching on vs off (2048-token shared prefix)
 #   scripts/bench_serving.sh sharegpt    # ShareGPT at concurrency 1, 16 and 64
 #   scripts/bench_serving.sh budget      # ShareGPT at concurrency 64 with a 512-token step budget
-#   scripts/bench_serving.sh tiers       # multi-turn ShareGPT, a small KV pool, KV tiers off / RAM / disk / Redis
+#   scripts/bench_serving.sh tiers       # multi-turn chat, a small KV pool, KV tiers off / RAM / disk / Redis
+#   scripts/bench_serving.sh tiers-reference  # the same with the dataset's replies in the history
 #
 # Results (table + JSON) go to $OUT (default bench-results/).
 set -euo pipefail
@@ -94,12 +95,21 @@ c64)
     stop_server
     ;;
 tiers)
-    # 8 ShareGPT conversations (up to 6 turns), 4 in flight, 10 s between a reply and the next
-    # question (people read and type; it also keeps the load below this machine's capacity, so
-    # TTFT is prefill rather than queueing). Each turn's prompt is the conversation so far with
-    # the dataset's replies (prompts up to 2000 tokens), 32 output tokens a turn. The KV pool
-    # (128 blocks of 16 tokens) holds about a third of what the 4 conversations in flight have
-    # computed, so a conversation's prefix is evicted by the others' turns before its next turn.
+    # A chat service: 16 ShareGPT conversations (up to 6 turns) starting at 0.5 per second, 30 s
+    # between a reply and the next question (people read and type). Each turn's prompt is the
+    # conversation so far with the server's own earlier replies (up to 128 tokens each), as a
+    # chat client sends it, so all but the new question can come from cache. The working set
+    # (the 16 conversations' KV, ~12.7k tokens) is about 4x the KV pool (192 blocks of 16
+    # tokens), so a conversation's KV is evicted by the others' turns before its next turn.
+    MT=(--dataset multiturn --multiturn-history generated --num-prompts 16 --max-turns 6
+        --max-prompt-len 2000 --max-output-len 128 --request-rate 0.5 --turn-gap 30)
+    POOL=(--num-kv-blocks 192)
+    run_tiers
+    ;;
+tiers-reference)
+    # The same question with the dataset's reference replies in the history instead of the
+    # server's (the server never computed them, so ~40% of each later prompt is new): 8
+    # conversations, 4 in flight, 10 s gaps, 32 output tokens, a 128-block pool.
     MT=(--dataset multiturn --multiturn-history reference --num-prompts 8 --max-turns 6
         --max-prompt-len 2000 --output-len 32 --max-concurrency 4 --turn-gap 10)
     POOL=(--num-kv-blocks 128)
@@ -107,7 +117,7 @@ tiers)
     ;;
 prefix|sharegpt|all) ;;
 *)
-    echo "usage: $0 prefix|sharegpt|all|c64|budget|tiers" >&2
+    echo "usage: $0 prefix|sharegpt|all|c64|budget|tiers|tiers-reference" >&2
     exit 2
     ;;
 esac
