@@ -74,7 +74,8 @@ def _emit(rows: list[tuple[str, str]], result: Any, output_json: str | None) -> 
 def cmd_ppl(args: argparse.Namespace) -> int:
     r = ppl.run_ppl(args.model, args.dataset, args.max_tokens, args.window, args.stride, args.quantization,
                     args.dtype, args.kv_cache_dtype, args.device)
-    _emit([("model", r.model), ("quantization", str(r.quantization)), ("dtype", r.dtype),
+    _emit([("model", r.model), ("quantization", r.quantization), ("weight memory", f"{r.weight_bytes / 1e6:.1f} MB"),
+           ("dtype", r.dtype),
            ("kv cache dtype", r.kv_cache_dtype), ("dataset", r.dataset),
            ("window / stride", f"{r.window} / {r.stride}"), ("windows", str(r.num_windows)),
            ("tokens", str(r.num_tokens)), ("tokens scored", str(r.tokens_scored)),

@@ -102,7 +102,8 @@ def windows(num_tokens: int, window: int, stride: int) -> list[Window]:
 class PplResult:
     model: str
     dataset: str
-    quantization: str | None
+    quantization: str  # as loaded: none or the method
+    weight_bytes: int  # resident parameters and buffers
     dtype: str
     kv_cache_dtype: str
     num_tokens: int  # the text after the cut to max_tokens
@@ -207,7 +208,8 @@ def run_ppl(model: str | None = None, dataset: str = "sharegpt", max_tokens: int
     finally:
         llm.close()
     nll = total / count
-    return PplResult(model=llm.engine.model_path, dataset=dataset, quantization=quantization,
+    return PplResult(model=llm.engine.model_path, dataset=dataset, quantization=llm.engine.quantization,
+                     weight_bytes=llm.engine.weight_bytes,
                      dtype=str(llm.engine.dtype).removeprefix("torch."), kv_cache_dtype=kv_cache_dtype,
                      num_tokens=len(ids), window=window, stride=stride, num_windows=num_windows,
                      tokens_scored=count, mean_nll=nll, ppl=math.exp(nll), elapsed_s=elapsed)

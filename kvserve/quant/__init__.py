@@ -194,8 +194,12 @@ class LinearInstaller:
 
     def finish(self) -> None:
         """ValueError naming a tensor if a linear's tensors are incomplete or missing."""
-        for prefix, group in self._groups.items():
+        optional = set(self.plan.method.optional_suffixes())
+        for prefix, group in list(self._groups.items()):
             missing = [s for s in self.suffixes if s not in group]
+            if set(missing) <= optional:
+                self._add(prefix, self.plan.method.convert(prefix, self._groups.pop(prefix)))
+                continue
             raise ValueError(f"checkpoint tensor {prefix}.{missing[0]} is missing "
                              f"(the {self.plan.method.name} linear {prefix!r} has only {', '.join(sorted(group))})")
         missing = sorted(p for prefixes in self._needed.values() for p in prefixes)

@@ -138,6 +138,10 @@ class QuantMethod(ABC):
     def tensor_suffixes(self) -> tuple[str, ...]:
         """Suffixes that together make up one quantized linear in the checkpoint."""
 
+    def optional_suffixes(self) -> tuple[str, ...]:
+        """Those of tensor_suffixes() a checkpoint may leave out; convert() then gets the rest."""
+        return ()
+
     @abstractmethod
     def convert(self, prefix: str, tensors: dict[str, torch.Tensor]) -> QuantizedWeight | Fp8Weight:
         """One linear's tensors -> its quantized weight; ValueError naming `prefix` if malformed."""

@@ -194,9 +194,12 @@ class GPTQMethod(QuantMethod):
         return cls(bits, group_size, fmt, bool(quant_config.get("desc_act", False)))
 
     def tensor_suffixes(self) -> tuple[str, ...]:
-        """AutoGPTQ and GPTQModel always write g_idx; `convert` also takes a set without it when desc_act
-        is false (channel i is then in group i // group_size)."""
         return ("qweight", "qzeros", "scales", "g_idx")
+
+    def optional_suffixes(self) -> tuple[str, ...]:
+        """AutoGPTQ and GPTQModel always write g_idx, but without act-order it carries nothing
+        (channel i is in group i // group_size), and some converters leave it out."""
+        return () if self.desc_act else ("g_idx",)
 
     def convert(self, prefix: str, tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
         extra = sorted(set(tensors) - set(self.tensor_suffixes()))

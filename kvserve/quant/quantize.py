@@ -65,7 +65,7 @@ class QuantizeOptions:
             raise ValueError(f"--group-size must be a positive integer (or -1 for gptq / rtn), got {args.group_size}")
         if args.sym and method not in ("gptq", "rtn"):
             raise ValueError(f"--sym applies to --method gptq and rtn, not {method} "
-                             "(awq stores zero points; int8 / fp8 are symmetric)")
+                             "(awq and int8 store zero points; fp8 has none)")
         if args.act_order and method != "gptq":
             raise ValueError(f"--act-order applies to --method gptq only, not {method}")
         if args.calib is not None and method not in _CALIBRATED:
@@ -118,7 +118,7 @@ def _describe(opts: QuantizeOptions) -> str:
     if opts.method == "fp8":
         return "float8 e4m3, per-channel scales"
     if opts.method == "int8":
-        return "int8, per-channel scales"
+        return "int8, per-channel scales and zero points"
     parts = [f"{opts.bits}-bit", f"group size {opts.group_size}", "sym" if opts.sym else "asym"]
     return ", ".join(parts + (["act-order"] if opts.act_order else []))
 
@@ -165,7 +165,7 @@ def quantize_model(src: Any, opts: QuantizeOptions) -> dict[str, QuantizedWeight
         if opts.method == "rtn":
             results[name] = rtn_quantize(w, opts.bits, g, opts.sym, min_zero)
         elif opts.method == "int8":
-            results[name] = quantize_rtn(w, 8, None, symmetric=True)
+            results[name] = quantize_rtn(w, 8, None)
         else:
             results[name] = quantize_fp8(w)
     return results

@@ -18,7 +18,7 @@ from tests.conftest import make_tokenizer, tiny_config
 from tests.models.conftest import PagedRunner, randomize_
 
 TOKENS = [5, 17, 42, 99, 7, 250, 3, 64, 128, 11]
-QUANTIZE = {"int8": lambda w: quantize_rtn(w, 8, None, symmetric=True), "fp8": quantize_fp8}
+QUANTIZE = {"int8": lambda w: quantize_rtn(w, 8, None), "fp8": quantize_fp8}
 PACK = {"int8": pack_int8, "fp8": pack_fp8}
 
 
@@ -217,3 +217,24 @@ def test_fused_parts_of_different_bits_and_groups_fuse_exactly():
     fused = cat_rows(_harmonize(parts))
     assert (fused.bits, fused.group_size) == (8, 32)
     assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+
+
+def test_symmetric_int8_checkpoint_without_zero_points(float_ckpt, tmp_path):
+    """"sym": true int8 checkpoints (no weight_zero_point) load as codes times scale; asymmetric ones need
+    their zero points."""
+    _, hf = float_ckpt
+    state, ref = {}, {}
+    for k, v in hf.state_dict().items():
+        prefix = linear_prefix(k)
+        if prefix and k.endswith(".weight"):
+            qw = quantize_rtn(v, 8, None, symmetric=True)
+            packed = PACK["int8"](qw)
+            state.update({f"{prefix}.weight": packed["weight"], f"{prefix}.weight_scale": packed["weight_scale"]})
+            ref[k] = qw.dequantize()
+        else:
+            state[k] = ref[k] = v
+    qpath = _save(hf, tmp_path / "sym", state, {**quant_config("int8"), "sym": True})
+    assert (_our_logits(load_model(str(qpath), dtype="float32")) - _hf_logits(hf, ref)).abs().max().item() < 1e-4
+    asym = _save(hf, tmp_path / "asym", state, quant_config("int8"))
+    with pytest.raises(ValueError, match="weight_zero_point"):
+        load_model(str(asym), dtype="float32")

