@@ -18,7 +18,8 @@ mkdir -p "$OUT"
 SERVER=
 
 start_server() {
-    "$KV" serve --port "$PORT" "$@" > "$OUT/server.log" 2>&1 &
+    # -q none: the GGUF dequantized to bf16, as every number in BENCHMARKS.md's serving sections
+    "$KV" serve --port "$PORT" -q none "$@" > "$OUT/server.log" 2>&1 &
     SERVER=$!
     for _ in $(seq 1 300); do
         curl -sf "$BASE/health" > /dev/null && break

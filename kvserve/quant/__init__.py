@@ -25,9 +25,9 @@ from kvserve.quant.methods import load_time_method, method_from_config, pack_fp8
 
 logger = logging.getLogger(__name__)
 
-# What quantization=None means for a GGUF file: "none" dequantizes it into --dtype,
-# "gguf" keeps its linears compressed.
-GGUF_DEFAULT = "none"
+# What quantization=None means for a GGUF file: its quantized linears stay compressed, as
+# llama.cpp and vLLM run them ("none" dequantizes them into --dtype).
+GGUF_DEFAULT = "gguf"
 
 __all__ = ["GGUF_DEFAULT", "Fp8Linear", "Int4Linear", "Int8Linear", "LinearInstaller", "LoadPlan", "gguf_plan",
            "hf_plan", "pack_fp8", "pack_int8", "quant_config", "quantized_linear"]

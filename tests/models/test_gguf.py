@@ -143,7 +143,7 @@ def test_k_quants_dequantize_like_gguf_and_transformers(make_hf_checkpoint, writ
     kinds = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
     raw = {f"blk.{i}.ffn_down.weight": (kquant_bytes(q, 64, 256, i), q) for i, q in enumerate(kinds)}
     path = write_llama_gguf(hf_src, tmp_path / "kq.gguf", QTYPES, raw=raw)
-    lm = load_model(str(path), dtype="float32")
+    lm = load_model(str(path), dtype="float32", quantization="none")  # the dequantizing path
     params = dict(lm.model.named_parameters())
     for i, q in enumerate(kinds):
         want = gguf.quants.dequantize(raw[f"blk.{i}.ffn_down.weight"][0], q).reshape(64, 256)

@@ -109,10 +109,10 @@ def test_k_quants_pack_and_other_types_fall_back(make_hf_checkpoint, write_llama
 def test_gguf_default_and_other_methods(make_hf_checkpoint, write_llama_gguf, tmp_path, monkeypatch):  # noqa: F811
     _, hf = make_hf_checkpoint(LlamaConfig(**SMALL))
     path = write_llama_gguf(hf, tmp_path / "m.gguf", QTYPES)
-    assert kvserve.quant.GGUF_DEFAULT == "none"
-    assert type(load_model(str(path), dtype="float32").model.model.layers[0].mlp.down_proj) is nn.Linear
-    monkeypatch.setattr(kvserve.quant, "GGUF_DEFAULT", "gguf")
+    assert kvserve.quant.GGUF_DEFAULT == "gguf"  # a GGUF file keeps its blocks unless told otherwise
     assert type(load_model(str(path), dtype="float32").model.model.layers[0].mlp.down_proj) is Int8Linear
+    monkeypatch.setattr(kvserve.quant, "GGUF_DEFAULT", "none")
+    assert type(load_model(str(path), dtype="float32").model.model.layers[0].mlp.down_proj) is nn.Linear
     int8 = load_model(str(path), dtype="float32", quantization="int8")
     assert int8.model.model.layers[0].mlp.down_proj.per_channel
     plain = load_model(str(path), dtype="float32", quantization="none")
