@@ -227,6 +227,7 @@ def test_fatal_error_in_engine_loop_reaches_open_requests(model_dir):
         with pytest.raises(EngineDeadError, match="unknown message type 'bogus'"):
             await asyncio.wait_for(collect_rest(gen), timeout=5.0)
         assert not eng.is_alive()
+        eng._proc.join(timeout=10)  # the error reaches the streams before the process has exited
         assert eng._proc.exitcode == 1
 
     run_with_engine(model_dir, scenario)
