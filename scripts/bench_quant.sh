@@ -20,8 +20,8 @@ AWQ_SAMPLES=${AWQ_SAMPLES:-16}
 ROWS=${ROWS:-bf16 int8 fp8 rtn awq gptq gguf}
 BASE=http://127.0.0.1:$PORT
 mkdir -p "$OUT"
-SERVER=
-trap '[ -n "$SERVER" ] && kill -TERM "$SERVER" 2> /dev/null || true' EXIT
+# shellcheck source=scripts/serve_lib.sh
+source "$(dirname "$0")/serve_lib.sh"
 
 quantize() {  # NAME ARGS...: a checkpoint under $OUT/NAME, made once
     local name=$1
@@ -63,22 +63,12 @@ for row in $ROWS; do
     flags=(--dtype bfloat16 ${q:+-q "$q"})
     echo "== $row: ${dir:-default model} ${flags[*]}"
     "$KV" eval ppl ${dir:+"$dir"} "${flags[@]}" --output-json "$OUT/$row-ppl.json" | tee "$OUT/$row-ppl.txt"
-    "$KV" serve ${dir:+--model "$dir"} "${flags[@]}" --port "$PORT" > "$OUT/$row-server.log" 2>&1 &
-    SERVER=$!
-    for _ in $(seq 1 300); do
-        curl -sf "$BASE/health" > /dev/null && break
-        kill -0 "$SERVER" 2> /dev/null || { cat "$OUT/$row-server.log"; exit 1; }
-        sleep 1
-    done
-    curl -sf "$BASE/v1/completions" -H 'content-type: application/json' \
-        -d '{"prompt": "warm-up", "max_tokens": 8, "cache_salt": "warm-up"}' > /dev/null
+    serve_up "$OUT/$row-server.log" ${dir:+--model "$dir"} "${flags[@]}"
     "$KV" bench serve --base-url "$BASE" --dataset random --input-len 128 --output-len 128 --num-prompts 8 \
         --max-concurrency 1 --cache-salt "$row-c1" --output-json "$OUT/$row-c1.json" > "$OUT/$row-c1.txt"
     "$KV" bench serve --base-url "$BASE" --dataset sharegpt --num-prompts 128 --max-concurrency 64 \
         --cache-salt "$row-c64" --output-json "$OUT/$row-c64.json" > "$OUT/$row-c64.txt"
-    kill -TERM "$SERVER"
-    wait "$SERVER" || true
-    SERVER=
+    serve_down
 done
 
 "$PY" - "$OUT" $ROWS <<'EOF'

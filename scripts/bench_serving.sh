@@ -15,27 +15,11 @@ PORT=${PORT:-8123}
 OUT=${OUT:-bench-results}
 BASE=http://127.0.0.1:$PORT
 mkdir -p "$OUT"
-SERVER=
+# shellcheck source=scripts/serve_lib.sh
+source "$(dirname "$0")/serve_lib.sh"
 
-start_server() {
-    # -q none: the GGUF dequantized to bf16, as every number in BENCHMARKS.md's serving sections
-    "$KV" serve --port "$PORT" -q none "$@" > "$OUT/server.log" 2>&1 &
-    SERVER=$!
-    for _ in $(seq 1 300); do
-        curl -sf "$BASE/health" > /dev/null && break
-        kill -0 "$SERVER" 2> /dev/null || { cat "$OUT/server.log"; exit 1; }
-        sleep 1
-    done
-    # One-time costs (first torch ops, the C kernel's load) are not serving latency.
-    curl -sf "$BASE/v1/completions" -H 'content-type: application/json' \
-        -d '{"prompt": "warm-up", "max_tokens": 8, "cache_salt": "warm-up"}' > /dev/null
-}
-
-stop_server() {
-    kill -TERM "$SERVER"
-    wait "$SERVER" || true
-}
-trap '[ -n "$SERVER" ] && kill -TERM "$SERVER" 2> /dev/null || true' EXIT
+# -q none: the GGUF dequantized to bf16, as every number in BENCHMARKS.md's serving sections
+start_server() { serve_up "$OUT/server.log" -q none "$@"; }
 
 bench() {
     local name=$1
@@ -47,15 +31,15 @@ bench() {
 run_tiers() {
     start_server "${POOL[@]}"
     bench multiturn-off "${MT[@]}"
-    stop_server
+    serve_down
     start_server "${POOL[@]}" --kv-offload-cpu 4GiB
     bench multiturn-cpu "${MT[@]}"
-    stop_server
+    serve_down
     # RAM smaller than the working set, so the disk tier serves the rest
     rm -rf "$OUT/kv-disk"
     start_server "${POOL[@]}" --kv-offload-cpu 128MiB --kv-offload-disk "$OUT/kv-disk"
     bench multiturn-cpu-disk "${MT[@]}"
-    stop_server
+    serve_down
     rm -rf "$OUT/kv-disk"
     REDIS_PORT=$((PORT + 1))
     redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no --maxmemory 4gb \
@@ -64,7 +48,7 @@ run_tiers() {
     start_server "${POOL[@]}" --kv-offload-cpu 128MiB --kv-offload-disk "$OUT/kv-disk" \
         --kv-remote "redis://127.0.0.1:$REDIS_PORT"
     bench multiturn-cpu-disk-redis "${MT[@]}"
-    stop_server
+    serve_down
     kill "$REDIS"
     rm -rf "$OUT/kv-disk"
 }
@@ -75,7 +59,7 @@ prefix|all)
     for mode in enable no-enable; do
         start_server "--$mode-prefix-caching"
         bench "prefix-$mode" --dataset prefix --prefix-len 2048 --num-prompts 32 --max-concurrency 1
-        stop_server
+        serve_down
     done
     ;;&
 sharegpt|all)
@@ -83,17 +67,17 @@ sharegpt|all)
     bench sharegpt-c1 --dataset sharegpt --num-prompts 32 --max-concurrency 1 --cache-salt c1
     bench sharegpt-c16 --dataset sharegpt --num-prompts 128 --max-concurrency 16 --cache-salt c16
     bench sharegpt-c64 --dataset sharegpt --num-prompts 256 --max-concurrency 64 --cache-salt c64
-    stop_server
+    serve_down
     ;;
 budget)
     start_server --max-num-batched-tokens 512
     bench sharegpt-c64-budget512 --dataset sharegpt --num-prompts 256 --max-concurrency 64 --cache-salt b512
-    stop_server
+    serve_down
     ;;
 c64)
     start_server
     bench sharegpt-c64 --dataset sharegpt --num-prompts 256 --max-concurrency 64 --cache-salt c64
-    stop_server
+    serve_down
     ;;
 tiers)
     # A chat service: 16 ShareGPT conversations (up to 6 turns) starting at 0.5 per second, 30 s

@@ -21,8 +21,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention import AttentionMetadata
-
 DEFAULT_MAX_TOKENS = 16384
 DEFAULT_WINDOW = 1024
 DEFAULT_STRIDE = 512
@@ -53,19 +51,7 @@ def score(llm: Any, token_ids: Sequence[int]) -> torch.Tensor:
     bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < runner.vocab_size)), None)
     if bad is not None:
         raise ValueError(f"token_ids contains {bad!r}, outside the vocabulary [0, {runner.vocab_size})")
-    dev, bs = runner.device, runner.block_size
-    num_blocks = -(-n // bs)
-    # Every slot the attention reads is written first (one fresh prefill), so empty() is enough.
-    caches = [tuple(torch.empty((num_blocks, *c.shape[1:]), dtype=c.dtype, device=c.device) for c in kv)
-              for kv in runner.kv_caches]
-    meta = AttentionMetadata(
-        num_decodes=0, query_start_loc=[0, n], seq_lens=[n],
-        slot_mapping=torch.arange(n, dtype=torch.int64, device=dev),
-        block_tables=torch.arange(num_blocks, dtype=torch.int64, device=dev)[None],
-        seq_lens_tensor=torch.tensor([n], dtype=torch.int64, device=dev), block_size=bs)
-    positions = torch.arange(n, dtype=torch.int64, device=dev)
-    hidden = runner.model(torch.tensor(ids, dtype=torch.int64, device=dev), positions, caches, meta)
-    return runner.model.compute_logits(hidden).float()
+    return runner.model.compute_logits(runner.prefill_scratch(ids)).float()
 
 
 @dataclass(frozen=True)

@@ -97,24 +97,14 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "cpu
     says (its quantization_config; for a GGUF file kvserve.quant.GGUF_DEFAULT). See
     kvserve.quant.hf_plan / gguf_plan for what each value does with each checkpoint.
     """
-    path = _resolve_path(model)
+    ckpt = open_checkpoint(model)
     torch_dtype = resolve_dtype(dtype, device)
-    gguf_file = _find_gguf(path)
-    if gguf_file is not None:
-        reader = gguf_loader.open_gguf(gguf_file)
-        config = gguf_loader.gguf_config(reader, str(gguf_file))
-        plan = quant.gguf_plan(quantization)
-        net, installer = _build(config, torch_dtype, device, plan)
-        compressed = plan is not None and plan.method.name == "gguf"
-        count, weights = gguf_loader.gguf_weights(reader, config, str(gguf_file), compressed=compressed)
-        tokenizer = gguf_loader.gguf_tokenizer(gguf_file, reader)
-        resolved = gguf_file
-    else:
-        config = _hf_config(path)
-        net, installer = _build(config, torch_dtype, device, quant.hf_plan(quantization, config))
-        count, weights = _safetensors_weights(path)
-        tokenizer = _hf_tokenizer(path)
-        resolved = path
+    config = ckpt.config
+    plan = quant.hf_plan(quantization, config) if ckpt.gguf_reader is None else quant.gguf_plan(quantization)
+    net, installer = _build(config, torch_dtype, device, plan)
+    count, weights = ckpt.weights(compressed=plan is not None and plan.method.name == "gguf")
+    tokenizer = ckpt.tokenizer()
+    resolved = ckpt.path
     with tqdm(total=count, desc=f"Loading {resolved.name}", unit="tensor", leave=False) as bar:
         weights = _progress(weights, bar)
         net.load_weights(weights if installer is None else installer.filter(weights))
@@ -124,6 +114,38 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "cpu
     method = "none" if installer is None or installer.plan.dequantize else installer.plan.method.name
     return LoadedModel(model=net, hf_config=config, tokenizer=tokenizer, dtype=torch_dtype,
                        model_path=str(resolved.resolve()), quantization=method)
+
+
+@dataclass
+class Checkpoint:
+    """A model path resolved to its file or directory and config; streams its HF-named tensors."""
+
+    path: Path  # the .gguf file or the HF directory
+    config: Any  # transformers PretrainedConfig
+    gguf_reader: Any = None  # set for a GGUF file
+
+    def weights(self, compressed: bool = False) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+        """(number of tensors, iterator of (HF name, tensor)); a corrupt file raises ValueError naming it.
+
+        compressed: a GGUF file's quantized linears come as raw blocks (see quant/gguf.py)."""
+        if self.gguf_reader is not None:
+            return gguf_loader.gguf_weights(self.gguf_reader, self.config, str(self.path), compressed=compressed)
+        return _safetensors_weights(self.path)
+
+    def tokenizer(self) -> Any:
+        if self.gguf_reader is not None:
+            return gguf_loader.gguf_tokenizer(self.path, self.gguf_reader)
+        return _hf_tokenizer(self.path)
+
+
+def open_checkpoint(model: str | None = None) -> Checkpoint:
+    """Resolve an HF directory or a GGUF file (None: the embedded default) and read its config."""
+    path = _resolve_path(model)
+    gguf_file = _find_gguf(path)
+    if gguf_file is None:
+        return Checkpoint(path, _hf_config(path))
+    reader = gguf_loader.open_gguf(gguf_file)
+    return Checkpoint(gguf_file, gguf_loader.gguf_config(reader, str(gguf_file)), reader)
 
 
 def _progress(weights: Iterator[tuple[str, torch.Tensor]], bar: Any) -> Iterator[tuple[str, torch.Tensor]]:

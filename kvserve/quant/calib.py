@@ -117,26 +117,18 @@ def load_source(model: str | None, device: str = "cpu") -> SourceModel:
     """
     from transformers import AutoModelForCausalLM
 
-    from kvserve.models import gguf_loader, loader  # here: the loader imports the quant methods
+    from kvserve.models.loader import open_checkpoint  # here: the loader imports the quant methods
 
-    path = loader._resolve_path(model)
-    gguf_file = loader._find_gguf(path)
-    if gguf_file is not None:
-        reader = gguf_loader.open_gguf(gguf_file)
-        config = gguf_loader.gguf_config(reader, str(gguf_file))
-        _, weights = gguf_loader.gguf_weights(reader, config, str(gguf_file))
-        tokenizer = gguf_loader.gguf_tokenizer(gguf_file, reader)
-        gen_config = None
-    else:
-        config = loader._hf_config(path)
-        existing = getattr(config, "quantization_config", None)
-        if existing:
-            method = existing.get("quant_method") if isinstance(existing, dict) else existing
-            raise ValueError(f"model {str(path)!r} is already quantized (quantization_config: {method}); "
-                             "quantize a float checkpoint")
-        _, weights = loader._safetensors_weights(path)
-        tokenizer = loader._hf_tokenizer(path)
-        gen_config = path / "generation_config.json" if (path / "generation_config.json").exists() else None
+    ckpt = open_checkpoint(model)
+    path, config = ckpt.path, ckpt.config
+    existing = getattr(config, "quantization_config", None)
+    if existing:
+        method = existing.get("quant_method") if isinstance(existing, dict) else existing
+        raise ValueError(f"model {str(path)!r} is already quantized (quantization_config: {method}); "
+                         "quantize a float checkpoint")
+    _, weights = ckpt.weights()
+    tokenizer = ckpt.tokenizer()
+    gen_config = path / "generation_config.json" if (path / "generation_config.json").exists() else None
     state: dict[str, torch.Tensor] = {}
     dtype = None
     for name, tensor in weights:

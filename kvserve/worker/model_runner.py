@@ -109,19 +109,10 @@ class ModelRunner:
         """Prefill token_ids into a scratch cache in the model dtype while each Attention layer records
         max |K| and |V|; set and return the layers' fp8 scales [layers, 2]."""
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        n, dev = len(token_ids), self.device
-        nblocks = -(-n // self.block_size)
-        shape = (nblocks, *self.kv_caches[0][0].shape[1:])
-        scratch = [(torch.zeros(shape, dtype=self.dtype, device=dev), torch.zeros(shape, dtype=self.dtype, device=dev))
-                   for _ in self.kv_caches]
-        meta = AttentionMetadata(
-            num_decodes=0, query_start_loc=[0, n], seq_lens=[n], slot_mapping=torch.arange(n, device=dev),
-            block_tables=torch.arange(nblocks, device=dev)[None], seq_lens_tensor=torch.tensor([n], device=dev),
-            block_size=self.block_size)
         for m in layers:
-            m.kv_amax = torch.zeros(2, device=dev)
+            m.kv_amax = torch.zeros(2, device=self.device)
         try:
-            self.model(torch.tensor(token_ids, device=dev), torch.arange(n, device=dev), scratch, meta)
+            self.prefill_scratch(token_ids, self.dtype)
             amax = torch.stack([m.kv_amax for m in layers]).cpu()
         finally:
             for m in layers:
@@ -130,6 +121,25 @@ class ModelRunner:
         for m, (k_scale, v_scale) in zip(layers, scales.tolist()):
             m.k_scale, m.v_scale = k_scale, v_scale
         return scales
+
+    @torch.inference_mode()
+    def prefill_scratch(self, token_ids: list[int], kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Final hidden states [T, hidden] of token_ids run as one prefill from position 0, writing K/V
+        into scratch caches of ceil(T / block_size) blocks (kv_dtype, default the KV cache's):
+        the runner's KV cache and requests are untouched."""
+        n, dev = len(token_ids), self.device
+        nblocks = -(-n // self.block_size)
+        shape = (nblocks, *self.kv_caches[0][0].shape[1:])
+        dtype = kv_dtype or self.kv_dtype
+        # Every slot attention reads is written first (one fresh prefill), so empty() is enough.
+        scratch = [(torch.empty(shape, dtype=dtype, device=dev), torch.empty(shape, dtype=dtype, device=dev))
+                   for _ in self.kv_caches]
+        meta = AttentionMetadata(
+            num_decodes=0, query_start_loc=[0, n], seq_lens=[n], slot_mapping=torch.arange(n, device=dev),
+            block_tables=torch.arange(nblocks, device=dev)[None], seq_lens_tensor=torch.tensor([n], device=dev),
+            block_size=self.block_size)
+        return self.model(torch.tensor(token_ids, dtype=torch.int64, device=dev), torch.arange(n, device=dev),
+                          scratch, meta)
 
     # ---- KV blocks in and out (the KV tiers, kv_tiers/manager.py) -------------
 
