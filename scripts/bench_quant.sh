@@ -3,6 +3,9 @@
 # whose Q4_1 GGUF dequantized to bf16 is the full-precision reference). For each weight format:
 # perplexity (`kvserve eval ppl`), resident weight memory, single-stream decode (one stream of
 # 128-token completions: 1000 / median TPOT) and output tok/s with 64 ShareGPT requests in flight.
+# Rows: bf16 (the reference), int8 and fp8-load (-q int8 / -q fp8: round to nearest while loading),
+# fp8 (a `kvserve quantize --method fp8` checkpoint: GPTQ rounding), rtn / awq / gptq (int4
+# checkpoints) and gguf (the file's Q4_1 blocks kept).
 #
 #   scripts/bench_quant.sh            # all rows; quantized checkpoints are made once under $OUT
 #   ROWS="bf16 gguf" scripts/bench_quant.sh
@@ -17,7 +20,8 @@ PORT=${PORT:-8131}
 GROUP=${GROUP:-64}
 GPTQ_SAMPLES=${GPTQ_SAMPLES:-64}
 AWQ_SAMPLES=${AWQ_SAMPLES:-16}
-ROWS=${ROWS:-bf16 int8 fp8 rtn awq gptq gguf}
+FP8_SAMPLES=${FP8_SAMPLES:-64}
+ROWS=${ROWS:-bf16 int8 fp8-load fp8 rtn awq gptq gguf}
 BASE=http://127.0.0.1:$PORT
 mkdir -p "$OUT"
 # shellcheck source=scripts/serve_lib.sh
@@ -36,14 +40,16 @@ quantize() {  # NAME ARGS...: a checkpoint under $OUT/NAME, made once
 row_model() {  # the model of a row: a quantized checkpoint dir, or empty for the default model
     case $1 in
     rtn | awq | gptq) echo "$OUT/$1-g$GROUP" ;;
+    fp8) echo "$OUT/fp8-gptq" ;;
     esac
 }
 
 row_quant() {  # the --quantization of a row (empty: what the checkpoint says)
     case $1 in
     bf16) echo none ;;
-    int8 | fp8 | gguf) echo "$1" ;;
-    rtn | awq | gptq) ;;
+    int8 | gguf) echo "$1" ;;
+    fp8-load) echo fp8 ;;
+    fp8 | rtn | awq | gptq) ;;
     *) echo "unknown row $1" >&2; exit 2 ;;
     esac
 }
@@ -54,6 +60,7 @@ for row in $ROWS; do
     gptq) quantize "gptq-g$GROUP" --method gptq --bits 4 --group-size "$GROUP" --act-order \
         --calib-samples "$GPTQ_SAMPLES" ;;
     awq) quantize "awq-g$GROUP" --method awq --bits 4 --group-size "$GROUP" --calib-samples "$AWQ_SAMPLES" ;;
+    fp8) quantize fp8-gptq --method fp8 --calib-samples "$FP8_SAMPLES" ;;
     esac
 done
 

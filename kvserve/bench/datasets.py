@@ -8,6 +8,7 @@ import random
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,11 @@ SHUFFLE_WINDOW = 2048
 _TOKENIZE_BATCH = 64
 _CHUNK_CHARS = 1 << 20
 _SEPARATORS = re.compile(r"[\s,]*")
+# ShareGPT as text for model quality: `kvserve eval ppl` reads the first EVAL_CONVERSATIONS
+# conversations (about 1.4M tokens), the quantizers' calibration the ones after, so no
+# calibrated method is scored on text it was fitted to.
+EVAL_CONVERSATIONS = 1000
+SHAREGPT_SPLITS = ("eval", "calib")
 
 
 @dataclass
@@ -164,13 +170,30 @@ def random_requests(tokenizer: Any, num_prompts: int, input_len: int, output_len
     return out
 
 
+def _turns(rec: Any) -> list[str]:
+    """A ShareGPT record's non-empty turn texts."""
+    conv = rec.get("conversations") if isinstance(rec, dict) else None
+    turns = conv if isinstance(conv, list) else []
+    values = (turn.get("value") if isinstance(turn, dict) else None for turn in turns)
+    return [v for v in values if isinstance(v, str) and v.strip()]
+
+
 def _turn_texts(records: Iterable[Any]) -> Iterator[str]:
     for rec in records:
-        conv = rec.get("conversations") if isinstance(rec, dict) else None
-        for turn in conv if isinstance(conv, list) else []:
-            value = turn.get("value") if isinstance(turn, dict) else None
-            if isinstance(value, str) and value.strip():
-                yield value
+        yield from _turns(rec)
+
+
+def sharegpt_conversations(split: str) -> Iterator[list[str]]:
+    """Each ShareGPT conversation's non-empty turn texts, in file order, skipping empty ones:
+    split 'eval' reads the first EVAL_CONVERSATIONS records, 'calib' the records after them."""
+    if split not in SHAREGPT_SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SHAREGPT_SPLITS)}, got {split!r}")
+    records = iter_json_array(sharegpt_path())
+    records = islice(records, EVAL_CONVERSATIONS) if split == "eval" else islice(records, EVAL_CONVERSATIONS, None)
+    for rec in records:
+        turns = _turns(rec)
+        if turns:
+            yield turns
 
 
 def _shared_prefix(tokenizer: Any, records: Iterator[Any], prefix_len: int) -> list[int]:

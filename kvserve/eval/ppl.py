@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,22 +120,14 @@ def perplexity(llm: Any, token_ids: Sequence[int], window: int = DEFAULT_WINDOW,
     return len(spans), count, total
 
 
-def _sharegpt_texts() -> Iterator[str]:
-    from kvserve.bench.datasets import iter_json_array, sharegpt_path
-
-    for rec in iter_json_array(sharegpt_path()):
-        conv = rec.get("conversations") if isinstance(rec, dict) else None
-        for turn in conv if isinstance(conv, list) else []:
-            value = turn.get("value") if isinstance(turn, dict) else None
-            if isinstance(value, str) and value.strip():
-                yield value
-
-
 def _sharegpt_tokens(tokenizer: Any, max_tokens: int) -> list[int]:
-    """Token ids of the joined ShareGPT turns, reading only as many records as max_tokens needs."""
+    """Token ids of the joined ShareGPT turns of the eval split, reading only as many records as
+    max_tokens needs."""
+    from kvserve.bench.datasets import sharegpt_conversations
+
     texts: list[str] = []
     chars, want = 0, max_tokens * _CHARS_PER_TOKEN
-    for text in _sharegpt_texts():
+    for text in (t for turns in sharegpt_conversations("eval") for t in turns):
         texts.append(text)
         chars += len(text) + len(_JOIN)
         if chars >= want:
@@ -150,7 +142,8 @@ def load_text_tokens(tokenizer: Any, dataset: str, max_tokens: int) -> list[int]
     """The evaluation text's token ids, cut to max_tokens.
 
     dataset 'sharegpt': every turn of the ShareGPT conversations in file order, joined with
-    blank lines, read only as far as max_tokens needs. Otherwise a path to a UTF-8 text file,
+    blank lines, read only as far as max_tokens needs, from the eval split (the first
+    EVAL_CONVERSATIONS conversations, about 1.4M tokens; calibration never reads them). Otherwise a path to a UTF-8 text file,
     read whole. The text is tokenized once, with the tokenizer's default special tokens.
     """
     if max_tokens < 2:

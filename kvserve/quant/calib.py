@@ -10,7 +10,7 @@ sequences differ in length.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from kvserve.bench.datasets import iter_json_array, sharegpt_path
+from kvserve.bench.datasets import sharegpt_conversations, sharegpt_path
 
 _TOKENIZE_BATCH = 64
 _MIN_SHAREGPT_TOKENS = 16
@@ -34,7 +34,8 @@ def calibration_sequences(tokenizer: Any, calib: str, num_samples: int, seq_len:
     """`num_samples` token sequences of at most `seq_len` tokens (fewer if the source runs out).
 
     calib 'sharegpt': one sequence per ShareGPT conversation (its turns joined by blank lines,
-    cut to seq_len; conversations under 16 tokens skipped), in file order. Otherwise a UTF-8
+    cut to seq_len; conversations under 16 tokens skipped), in file order, from the calib split
+    (after the conversations `kvserve eval ppl` scores). Otherwise a UTF-8
     text file: its text tokenized as one stream and cut into consecutive seq_len windows.
     """
     check_calibration(calib, num_samples, seq_len)
@@ -60,18 +61,9 @@ def check_calibration(calib: str, num_samples: int, seq_len: int) -> None:
         raise ValueError(f"--calib: cannot read {calib!r}: no such file; pass 'sharegpt' or a text file")
 
 
-def _conversations() -> Iterator[str]:
-    for rec in iter_json_array(sharegpt_path()):
-        conv = rec.get("conversations") if isinstance(rec, dict) else None
-        turns = [t.get("value") for t in conv if isinstance(t, dict)] if isinstance(conv, list) else []
-        text = "\n\n".join(t for t in turns if isinstance(t, str) and t.strip())
-        if text:
-            yield text
-
-
 def _sharegpt_sequences(tokenizer: Any, num_samples: int, seq_len: int) -> list[list[int]]:
     out: list[list[int]] = []
-    texts = _conversations()
+    texts = ("\n\n".join(turns) for turns in sharegpt_conversations("calib"))
     while len(out) < num_samples:
         batch = [t for _, t in zip(range(_TOKENIZE_BATCH), texts)]
         if not batch:

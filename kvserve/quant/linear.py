@@ -27,7 +27,7 @@ dequantize per call from compact storage (4-bit: two codes per byte).
 from __future__ import annotations
 
 import logging
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -273,6 +273,22 @@ def fp8_to_bfloat16(w: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.bfloat16) * 2.0**120
 
 
+@cache
+def scaled_mm_works(device: torch.device) -> bool:
+    """Whether torch._scaled_mm with row-wise scales (per token x per output channel) runs on
+    this device: CUDA sm89 / sm90 do, older GPUs and some newer ones raise. Tried once."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return False
+    try:
+        a = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1, device=device),
+                             scale_b=torch.ones(1, 16, device=device), out_dtype=torch.bfloat16)
+        return bool((y == 16).all())
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        logger.info("torch._scaled_mm with row-wise scales does not run on %s (%s): fp8 weights are cast", device, e)
+        return False
+
+
 class Fp8Linear(_QuantLinear):
     """float8 e4m3 weights with a per-output-channel scale."""
 
@@ -289,9 +305,8 @@ class Fp8Linear(_QuantLinear):
         self.register_buffer("weight_scale", fw.scale.float().to(device))
         self.path = "bf16 via bit shift"
         if device.type == "cuda":
-            major_minor = torch.cuda.get_device_capability(device)
             fits = dtype == torch.bfloat16 and out % 16 == 0 and n_in % 16 == 0
-            self.path = "_scaled_mm" if fits and major_minor >= (8, 9) else "cast"
+            self.path = "_scaled_mm" if fits and scaled_mm_works(device) else "cast"
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.path == "_scaled_mm":

@@ -9,7 +9,9 @@ transformers and vLLM detect the method from quantization_config.
   awq   AutoAWQ GEMM, 4-bit, activation-aware scales + clipping (calibrated)
   gptq  AutoGPTQ layout (checkpoint_format gptq), 4/8-bit, GPTQ (calibrated), --sym, --act-order
   rtn   round-to-nearest in the GPTQ layout, no calibration: the baseline the others improve on
-  int8 / fp8  kvserve's per-output-channel int8 / float8 e4m3 layouts (no calibration)
+  int8 / fp8  kvserve's per-output-channel int8 / float8 e4m3 layouts, rounded by GPTQ's error
+        feedback on calibration inputs (--act-order only orders the rounding: no g_idx); --calib none
+        rounds to nearest, as -q int8 / fp8 do at load
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from tqdm.auto import tqdm
 from kvserve.quant.base import LINEAR_SUFFIXES, Fp8Weight, QuantizedWeight, quantize_fp8, quantize_rtn
 
 QUANTIZE_METHODS = ("awq", "gptq", "int8", "fp8", "rtn")
-_CALIBRATED = ("awq", "gptq")
+_CALIBRATED = ("awq", "gptq")  # always calibrated; int8 / fp8 are unless --calib none
 _GROUPED = ("awq", "gptq", "rtn")
 
 
@@ -40,7 +42,7 @@ class QuantizeOptions:
     group_size: int
     sym: bool = False
     act_order: bool = False
-    calib: str = "sharegpt"
+    calib: str = "sharegpt"  # or a text file; "none": int8 / fp8 round to nearest
     calib_samples: int = 128
     calib_seq_len: int = 512
     percdamp: float = 0.01
@@ -66,16 +68,25 @@ class QuantizeOptions:
         if args.sym and method not in ("gptq", "rtn"):
             raise ValueError(f"--sym applies to --method gptq and rtn, not {method} "
                              "(awq and int8 store zero points; fp8 has none)")
-        if args.act_order and method != "gptq":
-            raise ValueError(f"--act-order applies to --method gptq only, not {method}")
-        if args.calib is not None and method not in _CALIBRATED:
-            raise ValueError(f"--calib applies to --method awq and gptq; {method} needs no calibration")
-        if method in _CALIBRATED:
+        if args.act_order and method not in ("gptq", "int8", "fp8"):
+            raise ValueError(f"--act-order applies to --method gptq, int8 and fp8 (GPTQ rounding), not {method}")
+        calib = args.calib or "sharegpt"
+        if args.calib is not None and method == "rtn":
+            raise ValueError("--calib does not apply to --method rtn (round to nearest, no calibration)")
+        if calib == "none" and method in _CALIBRATED:
+            raise ValueError(f"--calib none: --method {method} needs calibration (sharegpt or a text file)")
+        if calib == "none" and args.act_order:
+            raise ValueError("--act-order orders GPTQ's rounding, which --calib none turns off")
+        if method != "rtn" and calib != "none":
             from kvserve.quant.calib import check_calibration
 
-            check_calibration(args.calib or "sharegpt", args.calib_samples, args.calib_seq_len)
-        return cls(method, bits, args.group_size, args.sym, args.act_order, args.calib or "sharegpt",
-                   args.calib_samples, args.calib_seq_len)
+            check_calibration(calib, args.calib_samples, args.calib_seq_len)
+        return cls(method, bits, args.group_size, args.sym, args.act_order, calib, args.calib_samples,
+                   args.calib_seq_len)
+
+    @property
+    def calibrated(self) -> bool:
+        return self.method != "rtn" and self.calib != "none"
 
 
 def add_quantize_parser(subparsers: Any) -> None:
@@ -88,8 +99,11 @@ def add_quantize_parser(subparsers: Any) -> None:
                    help="input channels per scale (awq / gptq / rtn; -1: one per output channel)")
     p.add_argument("--sym", action="store_true", help="gptq / rtn: symmetric (zero point 2**(bits-1))")
     p.add_argument("--act-order", action="store_true",
-                   help="gptq: quantize input channels by descending activation energy (desc_act, g_idx)")
-    p.add_argument("--calib", default=None, help="awq / gptq calibration text: 'sharegpt' (default) or a text FILE")
+                   help="gptq / int8 / fp8: round input channels by descending activation energy "
+                        "(gptq stores the order as desc_act / g_idx)")
+    p.add_argument("--calib", default=None,
+                   help="calibration text: 'sharegpt' (default) or a text FILE; int8 / fp8 also take 'none' "
+                        "(round to nearest)")
     p.add_argument("--calib-samples", type=int, default=128, help="calibration sequences")
     p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration sequence (at most)")
     p.add_argument("--device", default=None, help="where to run calibration (default: cuda if available, else cpu)")
@@ -115,10 +129,11 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def _describe(opts: QuantizeOptions) -> str:
+    rounding = "GPTQ rounding" if opts.calibrated else "round to nearest"
     if opts.method == "fp8":
-        return "float8 e4m3, per-channel scales"
+        return f"float8 e4m3, per-channel scales, {rounding}"
     if opts.method == "int8":
-        return "int8, per-channel scales and zero points"
+        return f"int8, per-channel scales and zero points, {rounding}"
     parts = [f"{opts.bits}-bit", f"group size {opts.group_size}", "sym" if opts.sym else "asym"]
     return ", ".join(parts + (["act-order"] if opts.act_order else []))
 
@@ -157,7 +172,7 @@ def quantize_model(src: Any, opts: QuantizeOptions) -> dict[str, QuantizedWeight
     g = opts.group_size
     # v1 GPTQ checkpoints store zero - 1: keep asymmetric zero points >= 1 (symmetric ones are 2**(bits-1)).
     min_zero = 0 if opts.sym else 1
-    if opts.method in _CALIBRATED:
+    if opts.calibrated:
         return _calibrated(src, opts, min_zero)
     results: dict[str, QuantizedWeight | Fp8Weight] = {}
     for name, lin in tqdm(decoder_linears(model).items(), desc=opts.method, unit="linear"):
@@ -174,17 +189,23 @@ def quantize_model(src: Any, opts: QuantizeOptions) -> dict[str, QuantizedWeight
 def _calibrated(src: Any, opts: QuantizeOptions, min_zero: int) -> dict[str, QuantizedWeight | Fp8Weight]:
     from kvserve.quant.awq import awq_layer
     from kvserve.quant.calib import calibration_sequences, quantize_layers
-    from kvserve.quant.gptq import gptq_layer
+    from kvserve.quant.gptq import gptq_fp8, gptq_layer, gptq_quantize
 
     sequences = calibration_sequences(src.tokenizer, opts.calib, opts.calib_samples, opts.calib_seq_len)
     results: dict[str, QuantizedWeight | Fp8Weight] = {}
+
+    def rounding(w: torch.Tensor, h: torch.Tensor) -> QuantizedWeight | Fp8Weight:
+        if opts.method == "fp8":
+            return gptq_fp8(w, h, opts.act_order, opts.percdamp)
+        if opts.method == "int8":  # one group per channel: act-order orders the rounding, no g_idx
+            return gptq_quantize(w, h, 8, None, sym=False, act_order=opts.act_order, percdamp=opts.percdamp)
+        return gptq_quantize(w, h, opts.bits, opts.group_size, opts.sym, opts.act_order, opts.percdamp, min_zero)
 
     def quantize_layer(i: int, layer: torch.nn.Module, inputs: Any) -> None:
         if opts.method == "awq":
             done = awq_layer(layer, inputs, opts.group_size, opts.bits)
         else:
-            done = gptq_layer(layer, inputs, opts.bits, opts.group_size, opts.sym, opts.act_order, opts.percdamp,
-                              min_zero)
+            done = gptq_layer(layer, inputs, rounding)
         results.update({f"model.layers.{i}.{name}": qw for name, qw in done.items()})
 
     quantize_layers(src.model, sequences, quantize_layer, desc=f"{opts.method} ({len(sequences)} sequences)")

@@ -188,3 +188,17 @@ def test_hf_static_batch_counts_tokens_to_longest():
     batch = [BenchRequest("", 3, 2, [5, 6, 7]), BenchRequest("", 6, 5, [8, 9, 10, 11, 12, 13])]
     with torch.inference_mode():
         assert _hf_generate_batch(model, batch, pad_id=0, device="cpu") == 2 * 5
+
+
+@needs_sharegpt
+def test_eval_and_calibration_splits_do_not_overlap():
+    """`kvserve eval ppl` scores the first EVAL_CONVERSATIONS conversations; calibration starts after them."""
+    from itertools import islice
+
+    records = list(islice(iter_json_array(datasets.sharegpt_path()), datasets.EVAL_CONVERSATIONS + 20))
+    turns = [datasets._turns(r) for r in records]
+    assert list(datasets.sharegpt_conversations("eval")) == [t for t in turns[:datasets.EVAL_CONVERSATIONS] if t]
+    calib = list(islice(datasets.sharegpt_conversations("calib"), 5))
+    assert calib == [t for t in turns[datasets.EVAL_CONVERSATIONS:] if t][:5]
+    with pytest.raises(ValueError, match="split must be one of eval, calib"):
+        next(datasets.sharegpt_conversations("train"))

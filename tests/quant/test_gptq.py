@@ -9,9 +9,18 @@ import pytest
 import torch
 from torch import nn
 
-from kvserve.quant.base import LINEAR_SUFFIXES, QuantizedWeight, quantize_rtn
+from kvserve.quant.base import LINEAR_SUFFIXES, QuantizedWeight, quantize_fp8, quantize_rtn
 from kvserve.quant.calib import LayerInputs, first_layer_inputs, layer_forward
-from kvserve.quant.gptq import GPTQMethod, Hessian, gptq_layer, gptq_quantize, pack_gptq, rtn_quantize, unpack_gptq
+from kvserve.quant.gptq import (
+    GPTQMethod,
+    Hessian,
+    gptq_fp8,
+    gptq_layer,
+    gptq_quantize,
+    pack_gptq,
+    rtn_quantize,
+    unpack_gptq,
+)
 from tests.conftest import VOCAB, tiny_config
 
 
@@ -31,12 +40,13 @@ def tiny_calibrated_model(seed: int = 0, **overrides) -> tuple[nn.Module, LayerI
     return model, first_layer_inputs(model, sequences)
 
 
-def rtn_layer(bits: int, group_size: int) -> Callable[[nn.Module, LayerInputs], None]:
-    """Round-to-nearest (base.quantize_rtn) of every linear of a layer, in place."""
+def rtn_layer(bits: int | str, group_size: int | None) -> Callable[[nn.Module, LayerInputs], None]:
+    """Round-to-nearest (base.quantize_rtn, or quantize_fp8 for bits 'fp8') of every linear of a layer, in place."""
     def apply(layer: nn.Module, inputs: LayerInputs) -> None:
         for name, module in layer.named_modules():
             if name.endswith(LINEAR_SUFFIXES):
-                module.weight.copy_(quantize_rtn(module.weight, bits, group_size).dequantize())
+                qw = quantize_fp8(module.weight) if bits == "fp8" else quantize_rtn(module.weight, bits, group_size)
+                module.weight.copy_(qw.dequantize())
     return apply
 
 
@@ -193,5 +203,47 @@ def test_gptq_layer_beats_rtn_on_tiny_llama():
     model, inputs = tiny_calibrated_model()
     layer = model.model.layers[0]
     rtn_err = layer_error(layer, inputs, rtn_layer(4, 32))
-    gptq_err = layer_error(layer, inputs, lambda lyr, inp: gptq_layer(lyr, inp, 4, 32, act_order=True, min_zero=1))
+    gptq_err = layer_error(layer, inputs, lambda lyr, inp: gptq_layer(
+        lyr, inp, lambda w, h: gptq_quantize(w, h, 4, 32, act_order=True, min_zero=1)))
     assert gptq_err < 0.9 * rtn_err, (gptq_err, rtn_err)
+
+
+def test_gptq_fp8_layer_beats_round_to_nearest_fp8_on_tiny_llama():
+    model, inputs = tiny_calibrated_model()
+    layer = model.model.layers[0]
+    rtn_err = layer_error(layer, inputs, rtn_layer("fp8", None))
+    gptq_err = layer_error(layer, inputs, lambda lyr, inp: gptq_layer(lyr, inp, gptq_fp8))
+    assert gptq_err < 0.85 * rtn_err, (gptq_err, rtn_err)
+
+
+def test_gptq_fp8_is_round_to_nearest_without_correlations():
+    """H = I propagates no error: the codes and scales are quantize_fp8's, whatever the rounding order."""
+    w = torch.randn(24, 64) * 0.1
+    w[3, 5] = 7.0  # a row whose absmax saturates the scale
+    ref = quantize_fp8(w)
+    for act_order in (False, True):
+        fw = gptq_fp8(w, torch.eye(64), act_order=act_order)
+        assert fw.weight.dtype == torch.float8_e4m3fn
+        assert torch.equal(fw.weight.view(torch.uint8), ref.weight.view(torch.uint8))
+        assert torch.equal(fw.scale, ref.scale)
+
+
+def test_gptq_fp8_beats_round_to_nearest_and_never_saturates_to_nan():
+    x = _correlated_inputs(512, 128)
+    w = torch.randn(48, 128)
+    h = 2 * x.t() @ x / 512
+    fw = gptq_fp8(w, h)
+    assert not torch.isnan(fw.weight.float()).any()  # updated weights beyond 448 x scale saturate
+    err = lambda q: float((x @ (w - q.dequantize()).t()).norm())
+    assert err(fw) < 0.7 * err(quantize_fp8(w)), (err(fw), err(quantize_fp8(w)))
+
+
+def test_one_group_per_row_keeps_channel_order_with_act_order():
+    """int8 per channel (kvserve's layout has no g_idx): act-order orders the rounding only."""
+    x = _correlated_inputs(512, 128)
+    w = torch.randn(48, 128)
+    h = 2 * x.t() @ x / 512
+    qw = gptq_quantize(w, h, 8, None, act_order=True)
+    assert qw.perm is None and qw.group_size == 128
+    err = lambda q: float((x @ (w - q.dequantize()).t()).norm())
+    assert err(qw) < 0.8 * err(quantize_rtn(w, 8, None)), (err(qw), err(quantize_rtn(w, 8, None)))

@@ -17,6 +17,7 @@ from kvserve.quant.linear import (
     _unpack_int4,
     fp8_to_bfloat16,
     quantized_linear,
+    scaled_mm_works,
 )
 
 N_IN, N_OUT = 128, 96
@@ -102,6 +103,24 @@ def test_fp8_bit_shift_is_exact_for_every_code():
     finite = ~torch.isnan(codes.float())
     assert finite.sum() == 254
     assert torch.equal(fp8_to_bfloat16(codes)[finite], codes.to(torch.bfloat16)[finite])
+
+
+def test_scaled_mm_path_matches_dequantized_weight_within_fp8_activation_error():
+    """The path CUDA sm89+ takes (torch._scaled_mm, per-token fp8 activations), run on this CPU,
+    whose torch implements _scaled_mm too: it matches F.linear on the dequantized weight within
+    the error of rounding x to e4m3 (~2% relative per element, far less after the sum)."""
+    assert scaled_mm_works(torch.device("cpu"))
+    weight = _weight("fp8", None)
+    bias = torch.randn(N_OUT) * 0.1
+    module = Fp8Linear(weight, bias, torch.bfloat16)
+    module.path = "_scaled_mm"
+    for shape in SHAPES:
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        y = module(x)
+        assert y.dtype == torch.bfloat16 and tuple(y.shape) == (*shape[:-1], N_OUT)
+        ref = F.linear(x.float(), weight.dequantize(), bias.float())
+        rel = float((y.float() - ref).norm() / ref.norm())
+        assert 0 < rel < 0.03, rel  # > 0: the activations really were quantized
 
 
 def test_asymmetric_per_channel_int8_uses_a_rank_one_correction():

@@ -85,8 +85,10 @@ CASES = {  # name: (architecture, flags, expected quantization_config entries)
                   {"quant_method": "gptq", "bits": 8, "group_size": 64, "desc_act": False, "sym": True}),
     "rtn": ("llama", ["--method", "rtn", "--group-size", "32"],
             {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False}),
-    "int8": ("llama", ["--method", "int8"], {"quant_method": "int8", "bits": 8}),
+    "int8-act-order": ("llama", ["--method", "int8", "--act-order"], {"quant_method": "int8", "bits": 8}),
+    "int8-nearest": ("llama", ["--method", "int8", "--calib", "none"], {"quant_method": "int8", "bits": 8}),
     "fp8": ("llama", ["--method", "fp8"], {"quant_method": "fp8"}),
+    "fp8-nearest-tied": ("llama3", ["--method", "fp8", "--calib", "none"], {"quant_method": "fp8"}),
 }
 
 
@@ -97,8 +99,8 @@ def test_quantized_dir_loads_and_matches_dequantized_model(case, tiny_model_fact
     arch, flags, expected_qc = CASES[case]
     src = tiny_model_factory(arch)
     out = tmp_path / "q"
-    calib = ["--calib", str(calib_file), "--calib-samples", "4", "--calib-seq-len", "64"] if flags[1] in (
-        "awq", "gptq") else []
+    calib = [] if flags[1] == "rtn" or "--calib" in flags else [
+        "--calib", str(calib_file), "--calib-samples", "4", "--calib-seq-len", "64"]
     assert run_quantize(str(src), *flags, *calib, "--device", "cpu", "--out", str(out)) == 0
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     config, state = dequantized_state(out)
@@ -122,7 +124,8 @@ def test_dequantized_models_stay_close_to_the_float_model(tiny_model_factory, ca
         base = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(ids).logits
         errors = {}
         for method in ("int8", "rtn"):
-            run_quantize(str(src), "--method", method, "--group-size", "32", "--out", str(tmp_path / method))
+            calib = ["--calib", str(calib_file), "--calib-samples", "4"] if method == "int8" else []
+            run_quantize(str(src), "--method", method, "--group-size", "32", *calib, "--out", str(tmp_path / method))
             logits = reference_model(*dequantized_state(tmp_path / method))(ids).logits
             errors[method] = float((logits - base).abs().max())
     assert errors["rtn"] < 0.4 * float(base.abs().max()) and errors["int8"] < errors["rtn"] / 4, errors
@@ -136,8 +139,11 @@ def test_dequantized_models_stay_close_to_the_float_model(tiny_model_factory, ca
     (["--method", "gptq", "--group-size", "48"], "--group-size 48 does not divide the input dim 64"),
     (["--method", "awq", "--group-size", "-1"], "--group-size must be a positive integer"),
     (["--method", "awq", "--sym"], "--sym applies to"),
-    (["--method", "rtn", "--act-order"], "--act-order applies to --method gptq only"),
-    (["--method", "fp8", "--calib", "sharegpt"], "--calib applies to"),
+    (["--method", "rtn", "--act-order"], "--act-order applies to --method gptq, int8 and fp8"),
+    (["--method", "fp8", "--calib", "none", "--act-order"], "--act-order orders GPTQ's rounding"),
+    (["--method", "rtn", "--calib", "sharegpt"], "--calib does not apply to --method rtn"),
+    (["--method", "awq", "--calib", "none"], "--calib none: --method awq needs calibration"),
+    (["--method", "fp8", "--calib", "/nonexistent/calib.txt"], "--calib: cannot read"),
     (["--method", "gptq", "--calib", "/nonexistent/calib.txt"], "--calib: cannot read"),
     (["--method", "awq", "--calib-samples", "0"], "--calib-samples must be at least 1"),
     (["--method", "gptq", "--calib-seq-len", "1"], "--calib-seq-len must be at least 2"),
