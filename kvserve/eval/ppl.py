@@ -143,8 +143,9 @@ def load_text_tokens(tokenizer: Any, dataset: str, max_tokens: int) -> list[int]
 
     dataset 'sharegpt': every turn of the ShareGPT conversations in file order, joined with
     blank lines, read only as far as max_tokens needs, from the eval split (the first
-    EVAL_CONVERSATIONS conversations, about 1.4M tokens; calibration never reads them). Otherwise a path to a UTF-8 text file,
-    read whole. The text is tokenized once, with the tokenizer's default special tokens.
+    EVAL_CONVERSATIONS conversations, about 1.4M tokens; calibration never reads them).
+    Otherwise a path to a UTF-8 text file, read whole. The text is tokenized once, with the
+    tokenizer's default special tokens.
     """
     if max_tokens < 2:
         raise ValueError(f"--max-tokens must be at least 2, got {max_tokens}")
