@@ -39,9 +39,14 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 
 
+def saturate_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to the nearest float8 e4m3fn, saturated to +-448 (a plain cast may give NaN out of range)."""
+    return torch.clamp(x, -FP8_MAX, FP8_MAX).to(FP8)
+
+
 def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x / scale as float8 e4m3fn, saturated to +-448 (a plain cast may give NaN out of range)."""
-    return torch.clamp(x * (1.0 / scale), -FP8_MAX, FP8_MAX).to(FP8)
+    """x / scale as float8 e4m3fn, saturated (`saturate_fp8`)."""
+    return saturate_fp8(x * (1.0 / scale))
 
 
 class AttentionBackend(ABC):

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.attention.backend import FP8_MAX, saturate_fp8
+
 METHODS = ("awq", "gptq", "int8", "fp8", "gguf")
 
 
@@ -179,21 +181,13 @@ def quantize_rtn(w: torch.Tensor, bits: int, group_size: int | None = None, symm
     return QuantizedWeight(q.reshape(out, n_in).to(torch.uint8), scale, -zero * scale, bits, g)
 
 
-_FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
-
-
 def fp8_scale(w: torch.Tensor) -> torch.Tensor:
     """Per-output-channel float8 e4m3 scale [out] of W [out, in]: each row's absmax maps to 448."""
-    return (w.detach().float().abs().amax(1) / _FP8_MAX).clamp(min=1e-12)
-
-
-def fp8_codes(x: torch.Tensor) -> torch.Tensor:
-    """Round to the nearest float8 e4m3 value, saturating at +-448 (a plain cast gives NaN there)."""
-    return x.clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return (w.detach().float().abs().amax(1) / FP8_MAX).clamp(min=1e-12)
 
 
 def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
     """W [out, in] -> float8 e4m3 by round to nearest with a per-output-channel scale (`fp8_scale`)."""
     w = w.detach().float()
     scale = fp8_scale(w)
-    return Fp8Weight(fp8_codes(w / scale[:, None]), scale)
+    return Fp8Weight(saturate_fp8(w / scale[:, None]), scale)

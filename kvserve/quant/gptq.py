@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvserve.quant.base import Fp8Weight, QuantizedWeight, QuantMethod, fp8_codes, fp8_scale
+from kvserve.attention.backend import saturate_fp8
+from kvserve.quant.base import Fp8Weight, QuantizedWeight, QuantMethod, fp8_scale
 
 if TYPE_CHECKING:  # calib reads checkpoints through the model loader, which imports this module
     from kvserve.quant.calib import LayerInputs
@@ -371,7 +372,7 @@ def gptq_fp8(w: torch.Tensor, h: torch.Tensor, act_order: bool = False, percdamp
     codes = torch.zeros_like(w)
 
     def round_col(col: int, rest: torch.Tensor) -> torch.Tensor:
-        codes[:, col] = fp8_codes(rest[:, 0] / scale).float()
+        codes[:, col] = saturate_fp8(rest[:, 0] / scale).float()
         return codes[:, col] * scale
 
     _error_feedback(w, hinv, _BLOCK, round_col)

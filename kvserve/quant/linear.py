@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.attention.backend import FP8_MAX, saturate_fp8
 from kvserve.quant.base import Fp8Weight, QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -310,9 +311,8 @@ class Fp8Linear(_QuantLinear):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.path == "_scaled_mm":
-            fmax = torch.finfo(torch.float8_e4m3fn).max
-            a = (x.abs().amax(-1, keepdim=True).float() / fmax).clamp(min=1e-12)
-            xq = (x.float() / a).clamp(-fmax, fmax).to(torch.float8_e4m3fn)
+            a = (x.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+            xq = saturate_fp8(x.float() / a)
             return torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=a, scale_b=self.weight_scale[None, :],
                                     out_dtype=x.dtype)
         return F.linear(x, self._codes(x.dtype)) * self.weight_scale.to(x.dtype)
