@@ -4,39 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
-EXIT_BAD_INPUT = 2
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF directory or GGUF file (default: embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
-    g.add_argument("--quantization", "-q", default=None, choices=["awq", "gptq", "int8", "fp8", "gguf", "none"],
-                   help="weight quantization (default: what the checkpoint says; none: load dequantized)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
-                   help="fp8: KV stored as float8 e4m3 with per-layer scales (about 2x the tokens)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB")
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--prefix-cache", default="hash", choices=["hash", "radix"])
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", default="cpu")
-    t = p.add_argument_group("KV tiers (blocks evicted from the KV cache are kept here and loaded back on a hit)")
-    t.add_argument("--kv-offload-cpu", default=None, metavar="SIZE", help="host RAM tier, e.g. 8GiB")
-    t.add_argument("--kv-offload-disk", default=None, metavar="PATH", help="local disk tier directory")
-    t.add_argument("--kv-offload-disk-size", default="50GiB", metavar="SIZE")
-    t.add_argument("--kv-offload-disk-min-hits", type=int, default=0, metavar="N",
-                   help="only blocks hit N times in host RAM go down to disk")
-    t.add_argument("--kv-remote", default=None, metavar="URL", help="shared store, e.g. redis://127.0.0.1:6379")
-    t.add_argument("--kv-remote-min-hits", type=int, default=0, metavar="N")
-    t.add_argument("--kv-remote-write-through", action="store_true",
-                   help="send every new full block to --kv-remote at once (replicas reuse it sooner)")
+from kvserve.config import EngineConfig
+from kvserve.engine_args import EXIT_BAD_INPUT, add_engine_args
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -55,24 +25,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """kvserve.LLM keyword arguments from the flags of add_engine_args."""
-    return {"model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
-            "kv_cache_memory": args.kv_cache_memory, "num_kv_blocks": args.num_kv_blocks,
-            "block_size": args.block_size, "enable_prefix_caching": args.enable_prefix_caching,
-            "prefix_cache": args.prefix_cache, "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed, "device": args.device,
-            "kv_offload_cpu": args.kv_offload_cpu, "kv_offload_disk": args.kv_offload_disk,
-            "kv_offload_disk_size": args.kv_offload_disk_size, "kv_remote": args.kv_remote,
-            "kv_offload_disk_min_hits": args.kv_offload_disk_min_hits, "kv_remote_min_hits": args.kv_remote_min_hits,
-            "kv_remote_write_through": args.kv_remote_write_through, "quantization": args.quantization,
-            "kv_cache_dtype": args.kv_cache_dtype}
-
-
 def engine_from_args(args: argparse.Namespace):
     from kvserve import LLM
 
-    return LLM(**engine_kwargs(args))
+    return LLM(config=EngineConfig.from_cli_args(args))
 
 
 def sampling_from_args(args: argparse.Namespace):

@@ -1,9 +1,16 @@
-"""Frozen configuration dataclasses. Derived values are properties."""
+"""Frozen configuration dataclasses. Derived values are properties.
+
+EngineConfig is built once at the edge (CLI flags, `LLM(**kwargs)`, the server) and passed
+down whole; the flags that fill it are declared in kvserve/engine_args.py.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
@@ -28,11 +35,28 @@ def parse_size(value: int | str, field: str = "size") -> int:
     return n
 
 
+# Allowed values, shared by the validation below and the flags' choices (engine_args.py).
+DTYPES = ("auto", "bfloat16", "float32", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8")
+PREFIX_CACHES = ("hash", "radix")
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
 def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -50,8 +74,7 @@ class ModelConfig:
         from kvserve.quant.base import check_method
 
         check_method(self.quantization)
-        if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
-            raise ValueError(f"dtype must be one of auto, bfloat16, float32, float16; got {self.dtype!r}")
+        _check_choice("dtype", self.dtype, DTYPES)
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 1)
         _check_int("seed", self.seed, 0)
@@ -70,11 +93,14 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
-        if self.kv_cache_dtype not in ("auto", "fp8"):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+        if self.kv_cache_memory is not None:
+            _check_int("kv_cache_memory", self.kv_cache_memory, 1)
         if self.num_kv_blocks is not None:
             _check_int("num_kv_blocks", self.num_kv_blocks, 1)
-        if self.prefix_cache not in ("hash", "radix"):
+        _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        if self.prefix_cache not in PREFIX_CACHES:
             raise ValueError(f"prefix_cache must be 'hash' or 'radix', got {self.prefix_cache!r}")
 
 
@@ -99,6 +125,7 @@ class TierConfig:
         _check_int("kv_offload_disk_size", self.disk_bytes, 1)
         _check_int("kv_offload_disk_min_hits", self.disk_min_hits, 0)
         _check_int("kv_remote_min_hits", self.remote_min_hits, 0)
+        _check_bool("kv_remote_write_through", self.remote_write_through)
         if self.remote_url is not None and not re.match(r"^(rediss?|unix)://", self.remote_url):
             raise ValueError(f"kv_remote must be a redis:// or unix:// URL, got {self.remote_url!r}")
         if self.remote_write_through and self.remote_url is None:
@@ -111,11 +138,138 @@ class TierConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """The scheduler's limits. None fields are filled in by the engine, which knows the model:
+    max_num_batched_tokens (a default budget) and max_model_len (from ModelConfig.max_model_len
+    and the model's max_position_embeddings); EngineCore.scheduler_config is that resolved copy."""
+
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        _check_int("max_model_len", self.max_model_len, 1)
+        if self.max_num_batched_tokens is not None:
+            _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 1)
+
+    @property
+    def resolved(self) -> bool:
+        return self.max_num_batched_tokens is not None and self.max_model_len is not None
+
+
+def parse_cpu_threads_bind(value: str | None, world_size: int) -> tuple[tuple[int, ...], ...] | None:
+    """'0-3|4-7' -> ((0, 1, 2, 3), (4, 5, 6, 7)): the cores of each rank, '|' between ranks.
+
+    None or 'auto' -> None (no fixed binding: the executor decides). A group is a comma list of
+    cores and ranges, e.g. '0,2' or '0-3,8'.
+    """
+    if value is None or value == "auto":
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"cpu_threads_bind must be a string such as '0-3|4-7', got {value!r}")
+    groups = value.split("|")
+    if len(groups) != world_size:
+        raise ValueError(f"cpu_threads_bind has {len(groups)} core list(s) ({value!r}) but the world size "
+                         f"(tensor_parallel_size x pipeline_parallel_size) is {world_size}: give one per rank, "
+                         "separated by '|'")
+    return tuple(_parse_core_list(g, value) for g in groups)
+
+
+def _parse_core_list(group: str, whole: str) -> tuple[int, ...]:
+    cores: list[int] = []
+    for item in group.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", item)
+        if not m or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+            raise ValueError(f"cpu_threads_bind: {item.strip()!r} in {whole!r} is not a core or a range "
+                             "such as '0,2' or '0-3'")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) is not None else lo
+        cores.extend(range(lo, hi + 1))
+    return tuple(cores)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many ranks run the model, and how. The engine's copy has rank 0; each worker gets
+    its own copy through EngineConfig.for_rank(rank)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE experts sharded over the tensor-parallel ranks
+    distributed_executor_backend: str | None = None  # uni | mp | ray; None: see `backend`
+    cpu_threads_bind: str | None = None  # '0-3|4-7': cores per rank; None or 'auto': not fixed
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        _check_bool("enable_expert_parallel", self.enable_expert_parallel)
+        if self.distributed_executor_backend is not None:
+            _check_choice("distributed_executor_backend", self.distributed_executor_backend, EXECUTOR_BACKENDS)
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend 'uni' runs one rank, but the world size "
+                             f"(tensor_parallel_size x pipeline_parallel_size) is {self.world_size}; use mp or ray")
+        _check_int("rank", self.rank, 0)
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank must be < the world size ({self.world_size}), got {self.rank}")
+        parse_cpu_threads_bind(self.cpu_threads_bind, self.world_size)  # raises on a bad list
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def backend(self) -> str:
+        """The executor to run: the one asked for, else uni for one rank and mp for several."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"
+
+    @property
+    def cpu_cores(self) -> tuple[tuple[int, ...], ...] | None:
+        """The cores of each rank from cpu_threads_bind; None when no binding was given."""
+        return parse_cpu_threads_bind(self.cpu_threads_bind, self.world_size)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, built once at the edge and passed down whole (it pickles:
+    the engine process and every worker rank receive it as it is)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    tiers: TierConfig = field(default_factory=TierConfig)
+    device: str = "cpu"
+    check_integrity: bool = False  # check the KV cache's invariants after every step (tests)
+
+    def __post_init__(self) -> None:
+        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                    "parallel": ParallelConfig, "tiers": TierConfig}
+        for name, cls in sections.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(f"EngineConfig.{name} must be a {cls.__name__}, got {getattr(self, name)!r}")
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(f"device must be a device name such as 'cpu' or 'cuda', got {self.device!r}")
+        _check_bool("check_integrity", self.check_integrity)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """From kvserve.LLM's keyword arguments (the names in engine_args.FLAGS); an unknown
+        one raises ValueError naming it."""
+        from kvserve.engine_args import config_from_kwargs
+
+        return config_from_kwargs(kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """From the flags that engine_args.add_engine_args added to a parser."""
+        from kvserve.engine_args import config_from_cli_args
+
+        return config_from_cli_args(args)
+
+    def for_rank(self, rank: int) -> EngineConfig:
+        """This config as worker `rank` receives it."""
+        return dataclasses.replace(self, parallel=dataclasses.replace(self.parallel, rank=rank))

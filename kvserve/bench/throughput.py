@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.bench.datasets import BenchRequest, load_sharegpt, random_requests
+from kvserve.config import EngineConfig
+from kvserve.engine_args import add_engine_args
 
 DEFAULT_RANDOM_LEN = 128
 WARMUP_TOKENS = 4
@@ -47,8 +49,6 @@ class BenchResult:
 
 
 def add_bench_parser(subparsers: Any) -> None:
-    from kvserve.cli import add_engine_args  # here, not at module top: cli imports this module
-
     bench = subparsers.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     p = bench_sub.add_parser("throughput", help="offline throughput: kvserve vs HF transformers")
@@ -117,10 +117,9 @@ def _warmup_requests(reqs: list[BenchRequest], n: int) -> list[BenchRequest]:
 
 
 def _run_kvserve(args: argparse.Namespace) -> BenchResult:
-    from kvserve import SamplingParams
-    from kvserve.cli import engine_from_args
+    from kvserve import LLM, SamplingParams
 
-    llm = engine_from_args(args)
+    llm = LLM(config=EngineConfig.from_cli_args(args))
     reqs = build_requests(args, llm.get_tokenizer())
     prompts = [r.prompt_token_ids for r in reqs]
     params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0) for r in reqs]

@@ -42,6 +42,9 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Generated tokens this step computes (a decode's input): ranks that did not sample them
+    # (tensor-parallel peers, earlier pipeline stages) take them from here.
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -65,6 +68,9 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
                  connector: KVConnector | None = None) -> None:
+        if not config.resolved:
+            raise ValueError("the scheduler needs max_num_batched_tokens and max_model_len set "
+                             "(EngineCore fills them in from the model)")
         self.config = config
         self.kv = kv_manager
         self.connector = connector
@@ -149,6 +155,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new == 0:  # its last step is still in flight (pipeline parallel): no token to feed yet
+                i += 1
+                continue
             blocks = self.kv.allocate_slots(req, num_new)
             while blocks is None:
                 victim = max(self.running, key=lambda r: self._order[r.request_id])
@@ -164,7 +173,9 @@ class Scheduler:
             if blocks is None:
                 continue  # req itself was preempted; self.running shrank at index i
             out.num_scheduled_tokens[req.request_id] = num_new
-            out.cached_reqs.append(CachedRequestData(req.request_id, blocks, req.num_computed_tokens))
+            start = req.num_computed_tokens
+            new_ids = req.all_token_ids[start:start + num_new] if start >= req.num_prompt_tokens else []
+            out.cached_reqs.append(CachedRequestData(req.request_id, blocks, start, new_ids))
             req.num_computed_tokens += num_new
             budget -= num_new
             i += 1

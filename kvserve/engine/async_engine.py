@@ -1,6 +1,6 @@
 """AsyncEngine: EngineCore in a child process, driven from asyncio over ZeroMQ.
 
-    engine = await AsyncEngine.start(model=..., dtype="float32")
+    engine = await AsyncEngine.start(EngineConfig.from_kwargs(model=..., dtype="float32"))
     async for delta in engine.generate(prompt_token_ids, SamplingParams(max_tokens=32)):
         print(delta.outputs[0].text, end="")
     await engine.shutdown()
@@ -34,6 +34,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from kvserve.config import EngineConfig
 from kvserve.engine.engine_proc import (ABORT, ADD, CLEAR_CACHE, ERROR, FATAL, OUTPUTS, READY, SHUTDOWN, STATS,
                                         STATS_RESULT, AbortMsg, AddMsg, ModelInfo, RequestDelta, ShutdownMsg, StatsMsg,
                                         decode, encode, params_to_wire, run_engine_process)
@@ -72,11 +73,18 @@ class AsyncEngine:
     # ---- start-up ----------------------------------------------------------
 
     @classmethod
-    async def start(cls, *, startup_timeout: float = 600.0, **engine_kwargs: Any) -> AsyncEngine:
-        """Spawn the engine process (kwargs as for kvserve.LLM) and wait until it is READY.
+    async def start(cls, config: EngineConfig | None = None, *, startup_timeout: float = 600.0,
+                    **engine_kwargs: Any) -> AsyncEngine:
+        """Spawn the engine process with `config` (or one built from kvserve.LLM's keyword
+        arguments) and wait until it is READY.
 
-        Raises RuntimeError with the child's error if it fails or dies during start-up.
+        Raises ValueError for bad engine arguments before anything starts, RuntimeError with
+        the child's error if it fails or dies during start-up.
         """
+        if config is None:
+            config = EngineConfig.from_kwargs(**engine_kwargs)
+        elif engine_kwargs:
+            raise ValueError(f"pass either config or engine keyword arguments, not both (got {sorted(engine_kwargs)})")
         tmpdir = tempfile.mkdtemp(prefix="kvserve-")
         input_addr, output_addr = f"ipc://{tmpdir}/input", f"ipc://{tmpdir}/output"
         sync_ctx = zmq.Context()
@@ -89,7 +97,7 @@ class AsyncEngine:
         out.setsockopt(zmq.LINGER, 0)
         out.bind(output_addr)
         proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_process, args=(dict(engine_kwargs), input_addr, output_addr),
+            target=run_engine_process, args=(config, input_addr, output_addr),
             name="kvserve-engine", daemon=False)  # not daemonic: the engine may start workers of its own
         proc.start()
         self = cls(proc, sync_ctx, inp, actx, out, tmpdir)

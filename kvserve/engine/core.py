@@ -1,6 +1,6 @@
 """EngineCore: validates requests and runs the step loop.
 
-    scheduler.schedule() -> model_runner.execute() -> scheduler.update() -> outputs
+    scheduler.schedule() -> executor.execute() (every rank) -> scheduler.update() -> outputs
 """
 
 from __future__ import annotations
@@ -10,18 +10,22 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections import deque
+from concurrent.futures import Future
 
 import torch
 
-from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig, TierConfig
+from kvserve.config import CacheConfig, EngineConfig, TierConfig
 from kvserve.core.kv_manager import KVCacheManager
-from kvserve.core.scheduler import Scheduler
+from kvserve.core.scheduler import Scheduler, SchedulerOutput
+from kvserve.distributed.executor import Executor, WorkerError
+from kvserve.distributed.parallel import check_parallel
 from kvserve.engine.output_processor import OutputProcessor
-from kvserve.models.loader import load_model
+from kvserve.models.loader import open_checkpoint, resolve_dtype
 from kvserve.outputs import RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
-from kvserve.worker.model_runner import ModelRunner, ModelRunnerOutput, kv_bytes_per_block, kv_dtype_of
+from kvserve.worker.model_runner import ModelRunnerOutput, kv_bytes_per_block, kv_dtype_of
 
 logger = logging.getLogger(__name__)
 
@@ -43,41 +47,43 @@ KV_CALIBRATION_MAX_TOKENS = 256
 
 
 class EngineCore:
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None, device: str = "cpu",
-                 check_integrity: bool = False, tier_config: TierConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig) -> None:
+        model_config, cache_config, device = config.model, config.cache, config.device
         torch.manual_seed(model_config.seed)
-        loaded = load_model(model_config.model, model_config.dtype, device, model_config.quantization)
+        ckpt = open_checkpoint(model_config.model)  # config and tokenizer; the ranks load the weights
+        check_parallel(ckpt.config, config.parallel)
+        self.config = config
         self.model_config = model_config
         self.cache_config = cache_config
-        self.hf_config = loaded.hf_config
-        self.tokenizer = loaded.tokenizer
-        self.dtype = loaded.dtype
-        self.model_path = loaded.model_path
-        self.quantization = loaded.quantization
-        self.weight_bytes = loaded.weight_bytes
-        logger.info("model %s: %s weights, quantization %s, %.1f MB resident", self.model_path,
-                    str(self.dtype).removeprefix("torch."), self.quantization, self.weight_bytes / 1e6)
+        self.hf_config = ckpt.config
+        self.tokenizer = ckpt.tokenizer()
+        self.dtype = resolve_dtype(model_config.dtype, device)
+        self.model_path = str(ckpt.path.resolve())
         self.max_model_len = self._max_model_len(model_config.max_model_len)
         self.vocab_size = self.hf_config.vocab_size
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        # The scheduler runs on a resolved copy: the limits that depend on the model filled in.
+        self.scheduler_config = dataclasses.replace(
+            config.scheduler,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_model_len=self.max_model_len)
         self.kv_dtype = kv_dtype_of(cache_config.kv_cache_dtype, self.dtype)
         num_blocks = self._num_blocks(cache_config)
         calibration = self._kv_calibration_ids() if cache_config.kv_cache_dtype == "fp8" else None
-        self.runner = ModelRunner(loaded.model, self.hf_config, loaded.dtype, num_blocks,
-                                  cache_config.block_size, device, cache_config.kv_cache_dtype, calibration)
         self.eos_token_id = self._eos_token_id()
-        self.runner.eos_token_id = self.eos_token_id
+        self.executor = Executor.create(config, num_blocks, calibration, self.eos_token_id)
+        info = self.executor.collective_rpc("model_info")
+        self.quantization = info[0]["quantization"]
+        self.weight_bytes = sum(i["weight_bytes"] for i in info)  # every rank's shard
+        logger.info("model %s: %s weights, quantization %s, %.1f MB resident on %d rank(s)", self.model_path,
+                    str(self.dtype).removeprefix("torch."), self.quantization, self.weight_bytes / 1e6, len(info))
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                  cache_config.prefix_cache)
-        self.tiers = self._tiers(tier_config) if tier_config is not None and tier_config.enabled else None
+        self.tiers = self._tiers(config.tiers) if config.tiers.enabled else None
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.tiers)
         self.processor = OutputProcessor(self.tokenizer)
-        self.check_integrity = check_integrity
+        self.check_integrity = config.check_integrity
         self._ids = itertools.count()
+        self._in_flight: deque[tuple[SchedulerOutput, Future]] = deque()  # pipeline parallel's batches
 
     def _max_model_len(self, requested: int | None) -> int:
         limit = getattr(self.hf_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
@@ -91,7 +97,10 @@ class EngineCore:
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         memory = cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-        n = memory // kv_bytes_per_block(self.hf_config, cache.block_size, self.kv_dtype)
+        par = self.config.parallel
+        layers = -(-self.hf_config.num_hidden_layers // par.pipeline_parallel_size)  # the largest stage
+        n = memory // kv_bytes_per_block(self.hf_config, cache.block_size, self.kv_dtype, par.tensor_parallel_size,
+                                         layers)
         if n < 1:
             raise ValueError(f"kv_cache_memory ({memory} bytes) is too small to hold one KV block")
         return int(n)
@@ -110,9 +119,9 @@ class EngineCore:
     def _tiers(self, cfg: TierConfig):
         from kvserve.kv_tiers.manager import TierManager, model_fingerprint
 
-        shape = self.runner.kv_block_shape
+        shape = self.executor.kv_block_shape
         weights = f"{self.dtype}|{self.quantization}"  # the same file loaded another way computes other K/V
-        fingerprint = model_fingerprint(self.model_path, weights, self.kv_dtype, shape, self.runner.kv_scales)
+        fingerprint = model_fingerprint(self.model_path, weights, self.kv_dtype, shape, self.executor.kv_scales())
         tiers = TierManager(cfg, fingerprint, self.cache_config.block_size, shape, self.kv_dtype)
         self.kv.attach_connector(tiers)
         atexit.register(self.close)  # queued tier writes and the disk tier's save happen at exit too
@@ -196,18 +205,39 @@ class EngineCore:
     # ---- the step loop ----------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.executor.max_concurrent_batches > 1:
+            return self._step_pipelined()
+        so = self._schedule()
+        has_work = so.num_scheduled_tokens or so.finished_req_ids
+        return self._finish_step(so, self.executor.execute(so) if has_work else ModelRunnerOutput())
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Pipeline parallel: keep one batch in flight per stage. A new batch is scheduled while
+        earlier ones run (their requests wait for their tokens and are not scheduled again), and
+        the oldest is finished once the queue is full or nothing new could be scheduled."""
+        if len(self._in_flight) < self.executor.max_concurrent_batches:
+            so = self._schedule()
+            if so.num_scheduled_tokens or so.finished_req_ids:
+                self._in_flight.append((so, self.executor.execute_async(so)))
+                if len(self._in_flight) < self.executor.max_concurrent_batches and so.num_scheduled_tokens:
+                    return []
+        if not self._in_flight:
+            return []
+        so, future = self._in_flight.popleft()
+        return self._finish_step(so, future.result())
+
+    def _schedule(self) -> SchedulerOutput:
         so = self.scheduler.schedule()
         if self.tiers is not None:
-            self.tiers.transfer(so.kv_offload, so.kv_onload, self.runner)
+            self.tiers.transfer(so.kv_offload, so.kv_onload, self.executor)
             if not so.num_scheduled_tokens and self.scheduler.num_loading:
                 self.tiers.wait(0.01)  # only requests waiting on a slow tier: don't spin
-        if so.num_scheduled_tokens or so.finished_req_ids:
-            ro = self.runner.execute(so)
-        else:
-            ro = ModelRunnerOutput()
+        return so
+
+    def _finish_step(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> list[RequestOutput]:
         if self.tiers is not None and self.tiers.cfg.remote_write_through:
             reqs = [self.scheduler.requests[r] for r in so.num_scheduled_tokens if r in self.scheduler.requests]
-            self.tiers.write_through(reqs, self.runner)
+            self.tiers.write_through(reqs, self.executor)
         updated = self.scheduler.update(so, ro.sampled)
         outputs, stopped = self.processor.process(updated, ro)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
@@ -248,11 +278,15 @@ class EngineCore:
         return out
 
     def close(self) -> None:
-        """Stop the KV tiers' background threads once their queued writes are done."""
+        """Stop the KV tiers' background threads once their queued writes are done, then the ranks."""
         if self.tiers is not None:
             atexit.unregister(self.close)
             self.tiers.flush()
             if self.kv.cache is not None:
-                self.tiers.persist(self.kv.cache.cached_blocks(), self.runner)
+                try:
+                    self.tiers.persist(self.kv.cache.cached_blocks(), self.executor)
+                except WorkerError as e:  # a rank is gone, and the KV it held with it
+                    logger.warning("KV tiers: blocks in memory not saved: %s", e)
             self.tiers.close()
             self.tiers = None
+        self.executor.shutdown()

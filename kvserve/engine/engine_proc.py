@@ -30,6 +30,7 @@ from typing import Any, Literal, TypedDict
 import msgpack
 import zmq
 
+from kvserve.config import EngineConfig
 from kvserve.outputs import Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -368,22 +369,22 @@ class EngineLoop:
         self.tracker.add(rid, params)
 
 
-def build_engine(engine_kwargs: dict[str, Any]):
-    """EngineCore from the same keyword arguments as kvserve.LLM."""
-    from kvserve.engine.llm import LLM
+def build_engine(config: EngineConfig):
+    """EngineCore from the config the parent built (it arrived pickled)."""
+    from kvserve.engine.core import EngineCore
 
-    return LLM(**engine_kwargs).engine
+    return EngineCore(config)
 
 
-def ready_message(engine, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
-    info = ModelInfo(model=engine_kwargs.get("model"), model_path=str(engine.model_path),
+def ready_message(engine, config: EngineConfig) -> dict[str, Any]:
+    info = ModelInfo(model=config.model.model, model_path=str(engine.model_path),
                      max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
                      block_size=engine.kv.block_size, num_kv_blocks=engine.kv.num_blocks,
                      eos_token_id=engine.eos_token_id, pid=os.getpid())
     return {"type": READY, **asdict(info)}
 
 
-def run_engine_process(engine_kwargs: dict[str, Any], input_addr: str, output_addr: str) -> None:
+def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     """Child process entry point: build the engine, send READY, serve until SHUTDOWN.
 
     Exits 0 after SHUTDOWN (or when the parent has died), 1 after sending FATAL.
@@ -400,8 +401,8 @@ def run_engine_process(engine_kwargs: dict[str, Any], input_addr: str, output_ad
     code = 0
     engine = None
     try:
-        engine = build_engine(engine_kwargs)
-        out.send(encode(ready_message(engine, engine_kwargs)))
+        engine = build_engine(config)
+        out.send(encode(ready_message(engine, config)))
         EngineLoop(engine, inp, out).run()
     except BaseException as e:  # noqa: BLE001 - anything here must reach the parent
         code = 1

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
-from kvserve.config import CacheConfig, ModelConfig, TierConfig, parse_size
+from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -17,33 +18,21 @@ Message = dict[str, str]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str = "auto", max_model_len: int | None = None,
-                 kv_cache_memory: int | str | None = None, num_kv_blocks: int | None = None,
-                 block_size: int = 16, enable_prefix_caching: bool = True, prefix_cache: str = "hash",
-                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, seed: int = 0,
-                 device: str = "cpu", check_integrity: bool = False, kv_offload_cpu: int | str | None = None,
-                 kv_offload_disk: str | None = None, kv_offload_disk_size: int | str = "50GiB",
-                 kv_remote: str | None = None, kv_offload_disk_min_hits: int = 0, kv_remote_min_hits: int = 0,
-                 kv_remote_write_through: bool = False, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
-        """kv_offload_cpu / kv_offload_disk / kv_remote: KV tiers below the device pool (sizes like '8GiB').
-
-        quantization: awq | gptq | int8 | fp8 | gguf | none; None takes it from the checkpoint.
-        kv_cache_dtype: auto (the model dtype) or fp8.
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        """Load `model` (None: the embedded default) with the engine options in `kwargs`, or
+        take a ready `config`. The keywords are the flags of kvserve/engine_args.py with
+        underscores (`LLM(dtype="float32", kv_offload_cpu="8GiB", tensor_parallel_size=2)`);
+        an unknown one raises ValueError naming it.
         """
-        memory = parse_size(kv_cache_memory, "kv_cache_memory") if kv_cache_memory is not None else None
-        tiers = TierConfig(
-            cpu_bytes=parse_size(kv_offload_cpu, "kv_offload_cpu") if kv_offload_cpu is not None else 0,
-            disk_path=kv_offload_disk, disk_bytes=parse_size(kv_offload_disk_size, "kv_offload_disk_size"),
-            remote_url=kv_remote, disk_min_hits=kv_offload_disk_min_hits, remote_min_hits=kv_remote_min_hits,
-            remote_write_through=kv_remote_write_through)
-        self.engine = EngineCore(
-            ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, quantization=quantization),
-            CacheConfig(block_size=block_size, kv_cache_memory=memory, num_kv_blocks=num_kv_blocks,
-                        enable_prefix_caching=enable_prefix_caching, prefix_cache=prefix_cache,
-                        kv_cache_dtype=kv_cache_dtype),
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, device=device,
-            check_integrity=check_integrity, tier_config=tiers)
+        if config is None:
+            config = EngineConfig.from_kwargs(model=model, **kwargs)
+        elif model is not None or kwargs:
+            given = ["model"] * (model is not None) + sorted(kwargs)
+            raise ValueError(f"pass either config or engine keyword arguments, not both (got {', '.join(given)})")
+        elif not isinstance(config, EngineConfig):
+            raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
+        self.config = config
+        self.engine = EngineCore(config)
 
     def close(self) -> None:
         """Finish the KV tiers' queued writes and stop their threads (also at interpreter exit)."""

@@ -41,17 +41,17 @@ def score(llm: Any, token_ids: Sequence[int]) -> torch.Tensor:
     than the engine's max_model_len, or holds an id outside the vocabulary.
     """
     engine = llm.engine
-    runner = engine.runner
     ids = list(token_ids)
     n = len(ids)
     if n == 0:
         raise ValueError("token_ids must not be empty")
     if n > engine.max_model_len:
         raise ValueError(f"token_ids has {n} tokens, more than max_model_len={engine.max_model_len}")
-    bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < runner.vocab_size)), None)
+    bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < engine.vocab_size)), None)
     if bad is not None:
-        raise ValueError(f"token_ids contains {bad!r}, outside the vocabulary [0, {runner.vocab_size})")
-    return runner.model.compute_logits(runner.prefill_scratch(ids)).float()
+        raise ValueError(f"token_ids contains {bad!r}, outside the vocabulary [0, {engine.vocab_size})")
+    executor = engine.executor
+    return executor.collective_rpc("prompt_logits", ids)[executor.output_rank]
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention import Attention, AttentionMetadata
+from kvserve.distributed.comm import Group
+from kvserve.distributed.parallel import IntermediateTensors, Parallel
+from kvserve.layers.linear import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
+                                   VocabParallelEmbedding)
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters_of
 
@@ -34,16 +38,20 @@ def _head_dim(config: Any) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+    """This rank's query and key/value heads (all of them with one tensor-parallel rank)."""
+
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: Group) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = _head_dim(config)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_heads, total_kv_heads, qkv_bias, tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         o_bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, o_bias, tp,
+                                        shard=self.qkv_proj.shards[0])
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
@@ -62,15 +70,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp: Group, intermediate_size: int | None = None) -> None:
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is supported")
         bias = bool(getattr(config, "mlp_bias", False))
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        n = intermediate_size or config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [n, n], bias, tp, "intermediate_size")
+        self.down_proj = RowParallelLinear(n, config.hidden_size, bias, tp, "intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -78,10 +86,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, parallel: Parallel, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, qkv_bias, qk_norm, parallel.tp)
+        self.mlp = self.build_mlp(config, parallel, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -95,26 +103,44 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
+    @staticmethod
+    def build_mlp(config: Any, parallel: Parallel, layer_idx: int) -> nn.Module:
+        """The feed-forward block of layer layer_idx (MoE models return theirs)."""
+        return LlamaMLP(config, parallel.tp)
+
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+    """The decoder stack of one pipeline stage: layers [start, end) are built, the others
+    are None (their names stay model.layers.N so checkpoints map one to one)."""
+
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, parallel: Parallel,
+                 layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.pp = parallel.pp
+        self.start, self.end = parallel.layer_range(config.num_hidden_layers)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel.tp) \
+            if self.pp.is_first else None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            layer_cls(config, qkv_bias, qk_norm, parallel, i) if self.start <= i < self.end else None
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.pp.is_last else None
         self.rotary_emb = RotaryEmbedding(_head_dim(config), config.max_position_embeddings,
                                           rope_parameters_of(config))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"expected {len(self.layers)} kv caches (one per layer), got {len(kv_caches)}")
-        h = self.embed_tokens(input_ids)
+                meta: AttentionMetadata, intermediate: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        if len(kv_caches) != self.end - self.start:
+            raise ValueError(f"expected {self.end - self.start} kv caches (one per layer), got {len(kv_caches)}")
+        if self.pp.is_first:
+            h, residual = self.embed_tokens(input_ids), None
+        else:
+            h, residual = intermediate.hidden, intermediate.residual
         cos, sin = self.rotary_emb(positions)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers[self.start:self.end], kv_caches):
             h, residual = layer(h, residual, cos, sin, kv_cache, meta)
+        if not self.pp.is_last:
+            return IntermediateTensors(h, residual)
         h, _ = self.norm(h, residual)
         return h
 
@@ -123,31 +149,41 @@ class LlamaForCausalLM(nn.Module):
     # None: take `attention_bias` from the config (Llama, Mistral, Qwen3); Qwen2 always has q/k/v bias.
     qkv_bias: bool | None = None
     qk_norm: bool = False
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, parallel: Parallel | None = None) -> None:
         super().__init__()
         self.config = config
+        self.parallel = parallel = parallel or Parallel()
         qkv_bias = bool(getattr(config, "attention_bias", False)) if self.qkv_bias is None else self.qkv_bias
         sliding = getattr(config, "sliding_window", None)
         if sliding and getattr(config, "use_sliding_window", True) and sliding < config.max_position_embeddings:
             logger.info("sliding_window=%d is ignored: all layers attend to the full context", sliding)
-        self.model = LlamaModel(config, qkv_bias, self.qk_norm)
+        self.model = LlamaModel(config, qkv_bias, self.qk_norm, parallel, self.layer_cls)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if self.tie_word_embeddings:
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel.tp) \
+            if parallel.pp.is_last else None
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """With tied embeddings the LM head reads the embedding (when one stage holds both)."""
+        if self.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] int64 (flat batch). Returns final-norm hidden states [T, hidden]."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+                attn_metadata: AttentionMetadata, intermediate: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        """input_ids, positions: [T] int64 (flat batch). Returns final-norm hidden states [T, hidden]
+        (on a pipeline stage before the last: what the next stage takes as `intermediate`)."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] in float32."""
-        return self.lm_head(hidden).float()
+        """hidden [N, hidden] -> logits [N, vocab] in float32 (the last pipeline stage only)."""
+        return self.lm_head.compute_logits(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors; raises ValueError on a shape mismatch or when a weight is missing.
+        """Load HF-named tensors into this rank's shards; raises ValueError on a shape mismatch or
+        when a weight is missing. Tensors of other pipeline stages are skipped.
 
         Returns the set of HF names that were loaded.
         """
@@ -155,17 +191,15 @@ class LlamaForCausalLM(nn.Module):
         expected = self.hf_weight_names()
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+            if "rotary_emb.inv_freq" in name:
                 continue
-            target, sl = self._map_name(name)
+            target, shard_id = self._map_name(name)
+            if target is None:
+                continue
             if target not in params:
                 logger.warning("ignoring unexpected weight %s", name)
                 continue
-            dst = params[target].data if sl is None else params[target].data[sl]
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            with torch.no_grad():
-                dst.copy_(tensor)
+            self._load_one(name, params[target], target, tensor, shard_id)
             loaded.add(name)
         missing = sorted(expected - loaded)
         if missing:
@@ -173,25 +207,56 @@ class LlamaForCausalLM(nn.Module):
                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
         return loaded
 
-    def _map_name(self, name: str) -> tuple[str, slice | None]:
-        """HF name -> (our parameter name, rows of it) for fused q/k/v and gate/up."""
-        attn = self.model.layers[0].self_attn if len(self.model.layers) else None
+    def _load_one(self, name: str, param: nn.Parameter, target: str, tensor: torch.Tensor,
+                  shard_id: int | None) -> None:
+        module = self.get_submodule(target.rpartition(".")[0])
+        loader = getattr(module, "weight_loader", None)
+        with torch.no_grad():
+            if loader is None:
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                param.data.copy_(tensor)
+                return
+            try:
+                loader(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"weight {name!r}: {e}") from None
+
+    def owns(self, name: str) -> bool:
+        """Whether HF tensor `name` belongs on this pipeline stage."""
+        if name.startswith("model.layers."):
+            i = int(name.split(".")[2])
+            return self.model.start <= i < self.model.end
+        if name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is not None or (self.tie_word_embeddings and self.lm_head is not None)
+        return self.lm_head is not None  # the final norm and lm_head
+
+    def _map_name(self, name: str) -> tuple[str | None, int | None]:
+        """HF name -> (our parameter name, the part of a fused weight it fills: 0/1/2 of q/k/v,
+        0/1 of gate/up). None when the tensor is not this stage's."""
+        if not self.owns(name):
+            return None, None
+        if name == "model.embed_tokens.weight" and self.model.embed_tokens is None:
+            return "lm_head.weight", None  # tied: the last stage's LM head reads the embedding
+        if self.tie_word_embeddings and name == "lm_head.weight":
+            return None, None
         for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
             if f".self_attn.{proj}." in name:
-                q, kv = attn.q_size, attn.kv_size
-                start = (0, q, q + kv)[i]
-                return name.replace(proj, "qkv_proj"), slice(start, start + (q if i == 0 else kv))
+                return name.replace(proj, "qkv_proj"), i
         for i, proj in enumerate(("gate_proj", "up_proj")):
             if f".mlp.{proj}." in name:
-                n = self.config.intermediate_size
-                return name.replace(proj, "gate_up_proj"), slice(i * n, (i + 1) * n)
+                return name.replace(proj, "gate_up_proj"), i
         return name, None
 
     def hf_weight_names(self) -> set[str]:
-        """The HF parameter names a complete checkpoint provides for this model."""
+        """The HF parameter names a complete checkpoint provides for this rank."""
         names: set[str] = set()
         for name, _ in self.named_parameters(remove_duplicate=False):
+            if ".kernel." in name:  # a quantized kernel's copy of its linear's bias
+                continue
             if self.tie_word_embeddings and name == "lm_head.weight":
+                if self.model.embed_tokens is None:
+                    names.add("model.embed_tokens.weight")
                 continue
             if ".qkv_proj." in name:
                 names.update(name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj"))

@@ -15,6 +15,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from kvserve import quant
+from kvserve.distributed.parallel import Parallel
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models import gguf_loader
 from kvserve.models.registry import model_class_for
@@ -90,7 +91,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 
 
 def load_model(model: str | None = None, dtype: str = "auto", device: str = "cpu",
-               quantization: str | None = None) -> LoadedModel:
+               quantization: str | None = None, parallel: Parallel | None = None) -> LoadedModel:
     """Load an HF directory (config.json + safetensors) or a GGUF file (or a dir holding one).
 
     quantization: awq | gptq | int8 | fp8 | gguf | none, or None for what the checkpoint
@@ -101,7 +102,7 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "cpu
     torch_dtype = resolve_dtype(dtype, device)
     config = ckpt.config
     plan = quant.hf_plan(quantization, config) if ckpt.gguf_reader is None else quant.gguf_plan(quantization)
-    net, installer = _build(config, torch_dtype, device, plan)
+    net, installer = _build(config, torch_dtype, device, plan, parallel)
     count, weights = ckpt.weights(compressed=plan is not None and plan.method.name == "gguf")
     tokenizer = ckpt.tokenizer()
     resolved = ckpt.path
@@ -187,8 +188,8 @@ def _find_gguf(path: Path) -> Path | None:
     raise ValueError(f"model directory {str(path)!r} has no config.json and no .gguf file")
 
 
-def _build(config: Any, dtype: torch.dtype, device: str,
-           plan: quant.LoadPlan | None) -> tuple[nn.Module, quant.LinearInstaller | None]:
+def _build(config: Any, dtype: torch.dtype, device: str, plan: quant.LoadPlan | None,
+           parallel: Parallel | None = None) -> tuple[nn.Module, quant.LinearInstaller | None]:
     """Instantiate without initializing weights (meta device), then allocate on the target device.
 
     With a quantization plan the decoder linears are replaced by placeholders first, so
@@ -196,11 +197,10 @@ def _build(config: Any, dtype: torch.dtype, device: str,
     """
     cls = model_class_for(config)
     with torch.device("meta"):
-        net = cls(config)
+        net = cls(config, parallel)
     installer = None if plan is None else quant.LinearInstaller(net, plan, dtype, device)
     net = net.to(dtype=dtype).to_empty(device=device)
-    if getattr(net, "tie_word_embeddings", False):
-        net.lm_head.weight = net.model.embed_tokens.weight  # to_empty may untie
+    net.tie_weights()  # to_empty may untie
     for m in net.modules():
         if isinstance(m, RotaryEmbedding):
             m.reset_cache()

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvserve.layers.linear import ParallelLinear
 from kvserve.quant.base import Fp8Weight, QuantizedWeight, QuantMethod, cat_rows, check_method, linear_prefix
 from kvserve.quant.gguf import GGUFMethod
 from kvserve.quant.linear import Fp8Linear, Int4Linear, Int8Linear, quantized_linear
@@ -81,12 +82,12 @@ def gguf_plan(quantization: str | None) -> LoadPlan | None:
 
 
 class _PendingLinear(nn.Module):
-    """Holds a decoder linear's place (and its bias) until its quantized tensors arrive."""
+    """Holds a decoder linear's kernel place until its quantized tensors arrive (no tensors of its
+    own: the bias stays the linear's, so moving the model never splits it in two)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: ParallelLinear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("this linear's weights were never loaded")
@@ -108,9 +109,10 @@ def _harmonize(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
 class LinearInstaller:
     """Swaps a model's decoder linears for kernels as their checkpoint tensors stream by.
 
-    Create it on the meta-device model, before its memory is allocated: it replaces each
-    linear the checkpoint's decoder linears map to (fused qkv_proj / gate_up_proj included)
-    with a placeholder holding only the bias, so no full-precision weight is ever allocated.
+    Create it on the meta-device model, before its memory is allocated: it gives each
+    ParallelLinear the checkpoint's decoder linears map to (fused qkv_proj / gate_up_proj
+    included) a placeholder kernel and drops its float weight, so no full-precision weight
+    is ever allocated. Each checkpoint part is cut to this rank's shard by its linear.
     Then pass the checkpoint stream through `filter` into model.load_weights (which sees
     the biases and every other tensor) and call `finish` to check nothing is missing.
     """
@@ -118,7 +120,7 @@ class LinearInstaller:
     def __init__(self, model: nn.Module, plan: LoadPlan, dtype: torch.dtype, device: str | torch.device) -> None:
         self.model, self.plan, self.dtype, self.device = model, plan, dtype, torch.device(device)
         self.suffixes = tuple(plan.method.tensor_suffixes())
-        self._rows: dict[str, tuple[str, slice]] = {}  # HF prefix -> (our module, rows)
+        self._rows: dict[str, tuple[str, int | None]] = {}  # HF prefix -> (our module, part of it)
         self._needed: dict[str, list[str]] = {}  # our module -> HF prefixes still to come
         self._parts: dict[str, dict[str, Any]] = {}  # our module -> HF prefix -> converted part
         self._groups: dict[str, dict[str, torch.Tensor]] = {}  # HF prefix -> suffix -> tensor
@@ -127,20 +129,25 @@ class LinearInstaller:
             prefix = linear_prefix(hf)
             if prefix is None or not hf.endswith(".weight"):
                 continue
-            target, sl = model._map_name(hf)
+            target, shard_id = model._map_name(hf)
+            if target is None:  # another pipeline stage's
+                continue
             module = target.rpartition(".")[0]
             linear = model.get_submodule(module)
-            if not isinstance(linear, nn.Linear):
+            if not isinstance(linear, ParallelLinear):
                 raise ValueError(  # noqa: TRY004 - a model the loader cannot handle, not a caller's type error
-                    f"{module} is a {type(linear).__name__}, not an nn.Linear; cannot quantize it")
-            self._rows[prefix] = (module, slice(0, linear.out_features) if sl is None else sl)
+                    f"{module} is a {type(linear).__name__}, not a ParallelLinear; cannot quantize it")
+            self._rows[prefix] = (module, shard_id)
             self._needed.setdefault(module, []).append(prefix)
         for module in self._needed:
-            self._swap(module, _PendingLinear(model.get_submodule(module)))
+            linear = model.get_submodule(module)
+            linear.set_kernel(_PendingLinear(linear))
 
-    def _swap(self, module: str, new: nn.Module) -> None:
-        parent, _, child = module.rpartition(".")
-        setattr(self.model.get_submodule(parent), child, new)
+    def _linear(self, prefix: str) -> tuple[ParallelLinear, slice]:
+        """The linear checkpoint linear `prefix` is part of, and the rows of it the part fills."""
+        module, shard_id = self._rows[prefix]
+        linear = self.model.get_submodule(module)
+        return linear, linear.part_rows(shard_id)
 
     def filter(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Consume the decoder linears' tensors (biases excepted); yield every other tensor."""
@@ -163,34 +170,38 @@ class LinearInstaller:
                                  f"tensors {', '.join(self.suffixes)} (and an optional bias)")
 
     def _add(self, prefix: str, part: QuantizedWeight | Fp8Weight | torch.Tensor) -> None:
-        module, rows = self._rows[prefix]
-        pending = self.model.get_submodule(module)
-        want = (rows.stop - rows.start, pending.in_features)
+        module, shard_id = self._rows[prefix]
+        linear, rows = self._linear(prefix)
+        pending = linear.kernel
         if not isinstance(pending, _PendingLinear) or prefix not in self._needed[module]:
             raise ValueError(f"checkpoint holds the weights of linear {prefix!r} twice")
+        try:
+            part = linear.shard(part, shard_id)
+        except ValueError as e:
+            raise ValueError(f"linear {prefix!r}: {e}") from None
+        want = (rows.stop - rows.start, linear.in_features)
         if tuple(part.shape) != want:
             raise ValueError(f"linear {prefix!r} has shape {tuple(part.shape)} in the checkpoint, expected {want}")
         self._needed[module].remove(prefix)
         self._parts.setdefault(module, {})[prefix] = part
         if not self._needed[module]:
             by_row = self._parts.pop(module)
-            ordered = [by_row[p] for p in sorted(by_row, key=lambda p: self._rows[p][1].start)]
-            self._swap(module, self._build(ordered, pending))
+            ordered = [by_row[p] for p in sorted(by_row, key=lambda p: self._linear(p)[1].start)]
+            self._install(linear, ordered)
 
-    def _build(self, parts: list[Any], pending: _PendingLinear) -> nn.Module:
+    def _install(self, linear: ParallelLinear, parts: list[Any]) -> None:
+        """A kernel from the quantized parts; float (or dequantized) parts become the linear's weight again."""
         kinds = {type(p) for p in parts}
         if kinds == {QuantizedWeight} and not self.plan.dequantize:
-            return quantized_linear(cat_rows(_harmonize(parts)), pending.bias, self.dtype, self.device)
+            return linear.set_kernel(quantized_linear(cat_rows(_harmonize(parts)), linear.kernel_bias, self.dtype,
+                                                      self.device))
         if kinds == {Fp8Weight} and not self.plan.dequantize:
             fused = Fp8Weight(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]))
-            return quantized_linear(fused, pending.bias, self.dtype, self.device)
+            return linear.set_kernel(quantized_linear(fused, linear.kernel_bias, self.dtype, self.device))
         if not self.plan.dequantize:
             self.num_float += 1
         w = torch.cat([p.float() if isinstance(p, torch.Tensor) else p.dequantize(torch.float32) for p in parts])
-        linear = nn.Linear(pending.in_features, pending.out_features, bias=False, device="meta")
-        linear.weight = nn.Parameter(w.to(device=self.device, dtype=self.dtype), requires_grad=False)
-        linear.bias = pending.bias
-        return linear
+        linear.set_weight(w.to(device=self.device, dtype=self.dtype))
 
     def finish(self) -> None:
         """ValueError naming a tensor if a linear's tensors are incomplete or missing."""

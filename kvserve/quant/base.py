@@ -73,6 +73,20 @@ class QuantizedWeight:
     def rows(self, sl: slice) -> QuantizedWeight:
         return QuantizedWeight(self.q[sl], self.scale[sl], self.offset[sl], self.bits, self.group_size, self.perm)
 
+    def cols(self, sl: slice) -> QuantizedWeight:
+        """Input channels sl (a row-parallel shard); its bounds must fall on group bounds."""
+        g = self.group_size
+        if g == self.q.shape[1] and self.perm is None:  # one group per output channel: scales hold for any columns
+            return QuantizedWeight(self.q[:, sl], self.scale, self.offset, self.bits, sl.stop - sl.start)
+        if sl.start % g or sl.stop % g:
+            raise ValueError(f"a shard of input channels [{sl.start}, {sl.stop}) splits quantization groups of "
+                             f"{g}; choose a tensor_parallel_size that keeps groups whole")
+        if self.perm is not None:
+            raise ValueError("act-order (g_idx) weights cannot be split by input channel; "
+                             "tensor_parallel_size > 1 needs a checkpoint quantized without act-order")
+        gs = slice(sl.start // g, sl.stop // g)
+        return QuantizedWeight(self.q[:, sl], self.scale[:, gs], self.offset[:, gs], self.bits, g)
+
 
 def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Stack weights along the output dim (fused q/k/v, gate/up); they must agree on layout."""
@@ -110,6 +124,9 @@ class Fp8Weight:
 
     def rows(self, sl: slice) -> Fp8Weight:
         return Fp8Weight(self.weight[sl], self.scale[sl])
+
+    def cols(self, sl: slice) -> Fp8Weight:
+        return Fp8Weight(self.weight[:, sl], self.scale)
 
 
 # The decoder linears a method quantizes, by HF name (lm_head and embeddings stay in --dtype).

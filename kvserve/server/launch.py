@@ -19,12 +19,13 @@ from typing import Any
 
 import uvicorn
 
+from kvserve.config import EngineConfig
+from kvserve.engine_args import EXIT_BAD_INPUT, add_engine_args
+
 DEFAULT_MAX_WAITING = 1024
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
-    from kvserve.cli import add_engine_args
-
     p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
                    help="HF directory or GGUF file (same as --model)")
     add_engine_args(p)
@@ -49,17 +50,17 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
 
 
-async def serve(args: argparse.Namespace) -> None:
-    from kvserve.cli import engine_kwargs
+async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
     from kvserve.engine.async_engine import AsyncEngine
     from kvserve.models.loader import load_tokenizer
     from kvserve.server.openai_api import build_app
 
-    tokenizer = load_tokenizer(args.model)
-    engine = await AsyncEngine.start(**engine_kwargs(args))
+    tokenizer = load_tokenizer(config.model.model)
+    engine = await AsyncEngine.start(config)
     try:
         info = engine.model_info
-        name = args.served_model_name or Path(args.model.rstrip("/") if args.model else info.model_path).stem
+        model = config.model.model
+        name = args.served_model_name or Path(model.rstrip("/") if model else info.model_path).stem
         app = build_app(engine, tokenizer, name, api_key=args.api_key, max_waiting=args.max_waiting)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                 timeout_graceful_shutdown=5)
@@ -93,11 +94,12 @@ def _raise_exit(signum: int, _frame: Any) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     _check_args(args)  # ValueError -> exit code 2 in cli.main
+    config = EngineConfig.from_cli_args(args)  # bad engine flags too, before anything loads
     # uvicorn re-raises a captured SIGTERM after its graceful stop; make that an
     # exception so the engine process is shut down in `serve`'s finally.
     signal.signal(signal.SIGTERM, _raise_exit)
     try:
-        asyncio.run(serve(args))
+        asyncio.run(serve(args, config))
     except (KeyboardInterrupt, SystemExit):
         return 0
     except RuntimeError as e:  # the engine failed to start; its message says why
@@ -107,8 +109,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvserve.cli import EXIT_BAD_INPUT
-
     p = argparse.ArgumentParser(prog="kvserve serve", description="OpenAI-compatible server")
     add_server_args(p)
     args = p.parse_args(argv)

@@ -14,6 +14,8 @@ from torch import nn
 
 from kvserve.attention import FP8, FP8_MAX, Attention, AttentionMetadata, cpu_kernel, get_backend, set_attention_backend
 from kvserve.core.scheduler import SchedulerOutput
+from kvserve.distributed.parallel import IntermediateTensors, Parallel
+from kvserve.layers.linear import kv_head_range
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 
@@ -65,20 +67,30 @@ def fp8_kv_scales(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, scales, torch.ones_like(scales))
 
 
-def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V of all layers for one block, with KV stored in dtype (the KV dtype)."""
+def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype, tp_size: int = 1,
+                       num_layers: int | None = None) -> int:
+    """Bytes of K and V for one block on one rank: its num_layers (default: all) layers and the
+    largest rank's share of the KV heads, with KV stored in dtype (the KV dtype)."""
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * hf_config.num_hidden_layers * block_size * hf_config.num_key_value_heads * head_dim * elem
+    layers = hf_config.num_hidden_layers if num_layers is None else num_layers
+    kv_heads = -(-(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads) // tp_size)
+    return 2 * layers * block_size * kv_heads * head_dim * elem
 
 
 class ModelRunner:
     def __init__(self, model: nn.Module, hf_config, dtype: torch.dtype, num_blocks: int,
                  block_size: int, device: torch.device | str = "cpu", kv_cache_dtype: str = "auto",
-                 kv_calibration_ids: list[int] | None = None) -> None:
+                 kv_calibration_ids: list[int] | None = None, parallel: Parallel | None = None) -> None:
         """kv_cache_dtype 'fp8' stores K/V as float8 e4m3fn with per-layer scales calibrated here by
-        one forward of kv_calibration_ids (required then); 'auto' stores them in the model dtype."""
+        one forward of kv_calibration_ids (required then); 'auto' stores them in the model dtype.
+
+        parallel: this rank's place; its KV cache holds its stage's layers and its share of the
+        KV heads. Only the output rank (last stage, first tensor-parallel rank) samples."""
         self.model = model
+        self.parallel = parallel or Parallel()
+        self.is_output_rank = self.parallel.pp.is_last and self.parallel.tp.is_first
+        self.hidden_size = hf_config.hidden_size
         # One backend instance for all layers, so its scratch buffers are shared.
         set_attention_backend(model, get_backend("torch"))
         self.device = torch.device(device)
@@ -90,10 +102,13 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_dtype = kv_dtype_of(kv_cache_dtype, dtype)
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        shape = (num_blocks, block_size, hf_config.num_key_value_heads, head_dim)
+        kv_heads = (getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
+        head_start, head_end = kv_head_range(kv_heads, self.parallel.tp)
+        shape = (num_blocks, block_size, head_end - head_start, head_dim)
+        start, end = self.parallel.layer_range(hf_config.num_hidden_layers)
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
                            torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-                          for _ in range(hf_config.num_hidden_layers)]
+                          for _ in range(start, end)]
         # fp8: (k_scale, v_scale) of each Attention layer in model order; the layers hold them too.
         self.kv_scales: torch.Tensor | None = None
         if self.kv_dtype == FP8:
@@ -122,11 +137,28 @@ class ModelRunner:
             m.k_scale, m.v_scale = k_scale, v_scale
         return scales
 
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata
+                 ) -> torch.Tensor | None:
+        """This stage's part of the forward: take the previous stage's hidden states, hand ours to
+        the next; the final hidden states on the last stage, None before it."""
+        pp = self.parallel.pp
+        intermediate = None
+        if not pp.is_first:
+            t = input_ids.shape[0]
+            h, r = (torch.empty(t, self.hidden_size, dtype=self.dtype, device=self.device) for _ in range(2))
+            intermediate = IntermediateTensors(*pp.recv([h, r], pp.rank - 1))
+        out = self.model(input_ids, positions, kv_caches, meta, intermediate)
+        if pp.is_last:
+            return out
+        pp.send([out.hidden, out.residual], pp.rank + 1)
+        return None
+
     @torch.inference_mode()
-    def prefill_scratch(self, token_ids: list[int], kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def prefill_scratch(self, token_ids: list[int], kv_dtype: torch.dtype | None = None) -> torch.Tensor | None:
         """Final hidden states [T, hidden] of token_ids run as one prefill from position 0, writing K/V
         into scratch caches of ceil(T / block_size) blocks (kv_dtype, default the KV cache's):
-        the runner's KV cache and requests are untouched."""
+        the runner's KV cache and requests are untouched. Every rank calls it together; ranks before
+        the last pipeline stage return None."""
         n, dev = len(token_ids), self.device
         nblocks = -(-n // self.block_size)
         shape = (nblocks, *self.kv_caches[0][0].shape[1:])
@@ -138,8 +170,8 @@ class ModelRunner:
             num_decodes=0, query_start_loc=[0, n], seq_lens=[n], slot_mapping=torch.arange(n, device=dev),
             block_tables=torch.arange(nblocks, device=dev)[None], seq_lens_tensor=torch.tensor([n], device=dev),
             block_size=self.block_size)
-        return self.model(torch.tensor(token_ids, dtype=torch.int64, device=dev), torch.arange(n, device=dev),
-                          scratch, meta)
+        return self._forward(torch.tensor(token_ids, dtype=torch.int64, device=dev), torch.arange(n, device=dev),
+                             scratch, meta)
 
     # ---- KV blocks in and out (the KV tiers, kv_tiers/manager.py) -------------
 
@@ -185,6 +217,9 @@ class ModelRunner:
             st = self.requests[c.req_id]
             st.block_ids.extend(c.new_block_ids)
             st.num_computed_tokens = c.num_computed_tokens
+            if c.new_token_ids:  # sampled on the output rank; the scheduler's copy is the truth
+                del st.token_ids[c.num_computed_tokens:]
+                st.token_ids.extend(c.new_token_ids)
 
     def _make_generator(self, params: SamplingParams) -> torch.Generator | None:
         if params.seed is None or params.greedy:
@@ -201,14 +236,17 @@ class ModelRunner:
         # Decodes (one query token) first: the attention backend batches them.
         order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
         meta, input_ids, positions = self._prepare(order, so.num_scheduled_tokens)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self._forward(input_ids, positions, self.kv_caches, meta)
 
         sample_ids, sample_rows, plp = self._rows_to_compute(order, so.num_scheduled_tokens, meta)
         rows = sample_rows + [r for _, rs, _ in plp for r in rs]
-        if not rows:
+        if not rows or hidden is None:
             self._advance(order, so.num_scheduled_tokens)
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if not self.is_output_rank:  # the logits' all-gather needed every tensor-parallel rank
+            self._advance(order, so.num_scheduled_tokens)
+            return ModelRunnerOutput()
         out = ModelRunnerOutput()
         self._sample(sample_ids, logits[:len(sample_rows)], out)
         self._prompt_logprobs(plp, logits[len(sample_rows):], out)

@@ -90,7 +90,7 @@ def test_stop_token_ids_and_min_tokens(llm):
 def test_eos_stops_unless_ignored(tiny_model_factory):
     llm = LLM(model=str(tiny_model_factory("llama")), dtype="float32", num_kv_blocks=64)
     base = llm.generate([ids(4, 11)], greedy(max_tokens=6), use_tqdm=False)[0].outputs[0].token_ids
-    llm.engine.eos_token_id = llm.engine.runner.eos_token_id = base[1]
+    llm.engine.eos_token_id = llm.engine.executor.runner.eos_token_id = base[1]
     out = llm.generate([ids(4, 11)], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == base[:2] and out.outputs[0].finish_reason == "stop"
     ign = llm.generate([ids(4, 11)], greedy(max_tokens=6), use_tqdm=False)[0].outputs[0]

@@ -72,7 +72,7 @@ def test_score_matches_hf_and_leaves_engine_cache_alone(llm, hf_model, text_ids)
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=1, ignore_eos=True)
     prompt = text_ids[:13]
     before = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-    caches = [(k.clone(), v.clone()) for k, v in llm.engine.runner.kv_caches]
+    caches = [(k.clone(), v.clone()) for k, v in llm.engine.executor.runner.kv_caches]
     used = llm.engine.kv.num_used_blocks
 
     ids = text_ids[:150]  # 38 blocks of 4: more than the prompt above ever used
@@ -82,7 +82,7 @@ def test_score_matches_hf_and_leaves_engine_cache_alone(llm, hf_model, text_ids)
     assert logits.dtype == torch.float32 and logits.shape == ref.shape
     torch.testing.assert_close(logits, ref, atol=2e-5, rtol=1e-5)
 
-    for (k, v), (k0, v0) in zip(llm.engine.runner.kv_caches, caches):
+    for (k, v), (k0, v0) in zip(llm.engine.executor.runner.kv_caches, caches):
         assert torch.equal(k, k0) and torch.equal(v, v0)
     assert llm.engine.kv.num_used_blocks == used
     # The same prompt again hits the prefix cache written before score() and decodes the same.

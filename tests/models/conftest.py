@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from kvserve.attention import AttentionMetadata
 from tests.conftest import CHAT_TEMPLATE, SPECIALS, make_tokenizer
@@ -182,3 +183,8 @@ def write_llama_gguf(tiny_tokenizer) -> Callable:
         return path
 
     return write
+
+
+def kernel_type(linear: nn.Module) -> type:
+    """What runs a ParallelLinear's matmul: its quantized kernel's type, or nn.Linear for a float weight."""
+    return type(linear.kernel) if linear.kernel is not None else nn.Linear

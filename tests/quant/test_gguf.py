@@ -18,7 +18,7 @@ from kvserve.models import default_model_path, load_model
 from kvserve.models.loader import weight_bytes
 from kvserve.quant import Int4Linear, Int8Linear
 from kvserve.quant import gguf as qgguf
-from tests.models.conftest import PagedRunner, make_hf_checkpoint, tiny_tokenizer, write_llama_gguf  # noqa: F401
+from tests.models.conftest import PagedRunner, kernel_type, make_hf_checkpoint, tiny_tokenizer, write_llama_gguf  # noqa: F401
 
 Q = gguf.GGMLQuantizationType
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -77,9 +77,9 @@ def test_gguf_logits_equal_dequantized_model(make_hf_checkpoint, write_llama_ggu
     packed = load_model(str(path), dtype="float32", quantization="gguf")
     plain = load_model(str(path), dtype="float32", quantization="none")
     layer = packed.model.model.layers[1]
-    assert type(layer.self_attn.qkv_proj) is Int4Linear and type(layer.self_attn.o_proj) is Int4Linear
-    assert type(layer.mlp.gate_up_proj) is Int8Linear and type(layer.mlp.down_proj) is Int8Linear
-    assert layer.mlp.down_proj.path == "int4 kernel"  # Q8_0: two 4-bit planes
+    assert kernel_type(layer.self_attn.qkv_proj) is Int4Linear and kernel_type(layer.self_attn.o_proj) is Int4Linear
+    assert kernel_type(layer.mlp.gate_up_proj) is Int8Linear and kernel_type(layer.mlp.down_proj) is Int8Linear
+    assert layer.mlp.down_proj.kernel.path == "int4 kernel"  # Q8_0: two 4-bit planes
     diff = (_logits(packed) - _logits(plain)).abs().max().item()
     print(f"tiny GGUF: max |logit diff| gguf vs none (float32) {diff:.2e}")
     assert diff < 1e-4
@@ -100,8 +100,8 @@ def test_k_quants_pack_and_other_types_fall_back(make_hf_checkpoint, write_llama
         packed = load_model(str(path), dtype="float32", quantization="gguf")
     assert "GGUF linears of type F16, Q5_0 have no compressed kernel" in caplog.text
     layer = packed.model.model.layers[0]
-    assert type(layer.mlp.down_proj) is Int4Linear
-    assert type(layer.self_attn.qkv_proj) is nn.Linear and type(layer.mlp.gate_up_proj) is nn.Linear  # mixed parts
+    assert kernel_type(layer.mlp.down_proj) is Int4Linear
+    assert kernel_type(layer.self_attn.qkv_proj) is nn.Linear and kernel_type(layer.mlp.gate_up_proj) is nn.Linear  # mixed parts
     plain = load_model(str(path), dtype="float32", quantization="none")
     assert (_logits(packed) - _logits(plain)).abs().max().item() < 1e-4
 
@@ -110,11 +110,11 @@ def test_gguf_default_and_other_methods(make_hf_checkpoint, write_llama_gguf, tm
     _, hf = make_hf_checkpoint(LlamaConfig(**SMALL))
     path = write_llama_gguf(hf, tmp_path / "m.gguf", QTYPES)
     assert kvserve.quant.GGUF_DEFAULT == "gguf"  # a GGUF file keeps its blocks unless told otherwise
-    assert type(load_model(str(path), dtype="float32").model.model.layers[0].mlp.down_proj) is Int8Linear
+    assert kernel_type(load_model(str(path), dtype="float32").model.model.layers[0].mlp.down_proj) is Int8Linear
     monkeypatch.setattr(kvserve.quant, "GGUF_DEFAULT", "none")
-    assert type(load_model(str(path), dtype="float32").model.model.layers[0].mlp.down_proj) is nn.Linear
+    assert kernel_type(load_model(str(path), dtype="float32").model.model.layers[0].mlp.down_proj) is nn.Linear
     int8 = load_model(str(path), dtype="float32", quantization="int8")
-    assert int8.model.model.layers[0].mlp.down_proj.per_channel
+    assert int8.model.model.layers[0].mlp.down_proj.kernel.per_channel
     plain = load_model(str(path), dtype="float32", quantization="none")
     diff = (_logits(int8) - _logits(plain)).abs().max().item()
     assert 0 < diff < 0.05  # requantized to per-channel int8 at load
@@ -147,6 +147,6 @@ def test_default_model_gguf_greedy_tokens_and_memory():
     resident = outs["gguf"][1]
     print(f"default model: file {size / 1e6:.1f} MB, resident gguf {resident / 1e6:.1f} MB "
           f"({resident / size:.2f}x), none {outs['none'][1] / 1e6:.1f} MB; tokens {outs['gguf'][0]}")
-    assert type(outs["gguf"][2].model.model.layers[0].mlp.gate_up_proj) is Int4Linear
+    assert kernel_type(outs["gguf"][2].model.model.layers[0].mlp.gate_up_proj) is Int4Linear
     assert outs["gguf"][0] == outs["none"][0]
     assert resident < 1.3 * size

@@ -15,7 +15,7 @@ from kvserve.models import load_model
 from kvserve.quant import Fp8Linear, Int8Linear, pack_fp8, pack_int8, quant_config
 from kvserve.quant.base import linear_prefix, quantize_fp8, quantize_rtn
 from tests.conftest import make_tokenizer, tiny_config
-from tests.models.conftest import PagedRunner, randomize_
+from tests.models.conftest import PagedRunner, kernel_type, randomize_
 
 TOKENS = [5, 17, 42, 99, 7, 250, 3, 64, 128, 11]
 QUANTIZE = {"int8": lambda w: quantize_rtn(w, 8, None), "fp8": quantize_fp8}
@@ -78,8 +78,8 @@ def test_quantize_at_load_matches_dequantized_reference(float_ckpt, method):
     path, hf = float_ckpt
     lm = load_model(str(path), dtype="float32", quantization=method)
     kernel = Int8Linear if method == "int8" else Fp8Linear
-    assert all(type(m) is kernel for m in _linears(lm))
-    assert type(lm.model.lm_head) is nn.Linear and lm.model.lm_head.weight.dtype == torch.float32
+    assert all(kernel_type(m) is kernel for m in _linears(lm))
+    assert lm.model.lm_head.weight.dtype == torch.float32  # the LM head stays in --dtype
     ours = _our_logits(lm)
     ref = _hf_logits(hf, _dequantized_state(hf, method))
     diff = (ours - ref).abs().max().item()
@@ -113,21 +113,21 @@ def test_saved_checkpoint_is_detected_and_none_dequantizes_it(float_ckpt, method
     assert stored["model.layers.0.mlp.up_proj.weight"].dtype == (torch.int8 if method == "int8"
                                                                   else torch.float8_e4m3fn)
     detected = load_model(str(qpath), dtype="float32")
-    assert all(type(m) is (Int8Linear if method == "int8" else Fp8Linear) for m in _linears(detected))
+    assert all(kernel_type(m) is (Int8Linear if method == "int8" else Fp8Linear) for m in _linears(detected))
     at_load = load_model(str(path), dtype="float32", quantization=method)
     torch.testing.assert_close(_our_logits(detected), _our_logits(at_load), rtol=0, atol=1e-5)
     plain = load_model(str(qpath), dtype="float32", quantization="none")
-    assert all(type(m) is nn.Linear for m in _linears(plain))
+    assert all(kernel_type(m) is nn.Linear for m in _linears(plain))
     ref = _hf_logits(hf, _dequantized_state(hf, method))
     assert (_our_logits(plain) - ref).abs().max().item() < 1e-4
     agreeing = load_model(str(qpath), dtype="float32", quantization=method)
-    assert all(type(m) is type(detected.model.model.layers[0].mlp.down_proj) for m in _linears(agreeing))
+    assert all(kernel_type(m) is kernel_type(detected.model.model.layers[0].mlp.down_proj) for m in _linears(agreeing))
 
 
 def test_none_and_default_on_a_float_checkpoint_load_plain_linears(float_ckpt):
     path, _ = float_ckpt
     for q in (None, "none"):
-        assert all(type(m) is nn.Linear for m in _linears(load_model(str(path), dtype="float32", quantization=q)))
+        assert all(kernel_type(m) is nn.Linear for m in _linears(load_model(str(path), dtype="float32", quantization=q)))
 
 
 @pytest.fixture(scope="module")

@@ -116,7 +116,7 @@ def test_calibrated_scales_use_the_fp8_range(model_dir):
     """Scales are powers of two with the calibration max at <= 448 / KV_SCALE_MARGIN; the K/V of
     other prompts then fill a good part of the fp8 range without saturating."""
     llm = _llm(model_dir, "fp8")
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     scales = runner.kv_scales
     assert scales.shape == (2, 2) and torch.equal(torch.exp2(torch.log2(scales).round()), scales)
     llm.generate(_prompts(4, seed=5), GREEDY, use_tqdm=False)
@@ -155,7 +155,7 @@ def test_same_memory_holds_twice_the_tokens(model_dir):
     assert (s16["kv_capacity_tokens"], s8["kv_capacity_tokens"]) == (8 * BS, 16 * BS)
     assert (s16["kv_cache_dtype"], s8["kv_cache_dtype"]) == ("bfloat16", "float8_e4m3fn")
     assert s16["kv_cache_bytes"] == s8["kv_cache_bytes"] == memory
-    tensors = [t for kv in fp8.engine.runner.kv_caches for t in kv]
+    tensors = [t for kv in fp8.engine.executor.runner.kv_caches for t in kv]
     assert all(t.dtype == FP8 for t in tensors) and sum(t.nbytes for t in tensors) == memory
     prompt = _prompts(1, seed=9)[0][:20] * 8  # 160 tokens + 20 new: 12 blocks
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -168,7 +168,7 @@ def test_evicted_fp8_blocks_come_back_from_host_ram_bit_exact(model_dir):
     """A 12-block pool evicts the target's blocks to host RAM; when the target runs again they are
     loaded back, byte for byte the K/V read out at eviction, and the output is unchanged."""
     llm = _llm(model_dir, "fp8", num_kv_blocks=12, kv_offload_cpu="1MiB")
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     evicted: list[torch.Tensor] = []
     loaded: list[torch.Tensor] = []
     read, write = runner.read_kv_blocks, runner.write_kv_blocks

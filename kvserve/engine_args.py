@@ -1,0 +1,181 @@
+"""Every engine option, declared once: its flag, LLM keyword, config field, default, help, parser.
+
+The CLI (`add_engine_args`, used by serve / generate / chat / bench), `LLM(**kwargs)` and
+`AsyncEngine.start(**kwargs)` (`EngineConfig.from_kwargs`) and the server
+(`EngineConfig.from_cli_args`) are all generated from FLAGS: adding an option is one entry
+here plus the config field it lands in.
+
+A neutral module (no torch at import): kvserve/cli.py is the top floor and nothing imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvserve.config import (DTYPES, EXECUTOR_BACKENDS, KV_CACHE_DTYPES, PREFIX_CACHES, CacheConfig, EngineConfig,
+                            ModelConfig, ParallelConfig, SchedulerConfig, TierConfig, parse_size)
+
+# The exit code of every kvserve command given a bad flag or value (the message names it).
+EXIT_BAD_INPUT = 2
+
+# EngineConfig's sections, by the name a Flag.target starts with.
+SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                             "parallel": ParallelConfig, "tiers": TierConfig}
+
+GROUP_TITLES = {
+    "engine": "engine",
+    "parallel": "parallelism (ranks = tensor-parallel x pipeline-parallel size)",
+    "tiers": "KV tiers (blocks evicted from the KV cache are kept here and loaded back on a hit)",
+}
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One engine option. The CLI spelling is `--` + name with dashes (vLLM's spelling)."""
+
+    name: str  # the LLM keyword and the argparse dest
+    target: str  # where the value lands: "section.field" of EngineConfig, or a top-level field
+    default: Any
+    help: str
+    group: str = "engine"  # a key of GROUP_TITLES
+    type: Callable[[str], Any] | None = None  # parses the CLI string (kwargs arrive typed)
+    convert: Callable[[Any, str], Any] | None = None  # (value, flag name) -> field value, both paths
+    # A callable is asked only when the parser is built (quantization's list lives beside torch).
+    choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None
+    aliases: tuple[str, ...] = ()  # more CLI spellings, e.g. -tp
+    boolean: Literal["store_true", "optional"] | None = None  # optional: --x / --no-x
+    metavar: str | None = None
+    cli: bool = True  # False: an LLM keyword only
+
+    @property
+    def option(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def argparse_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {"dest": self.name, "default": self.default, "help": self.help}
+        if self.boolean == "store_true":
+            return {**kw, "action": "store_true"}
+        if self.boolean == "optional":
+            return {**kw, "action": argparse.BooleanOptionalAction}
+        choices = self.choices() if callable(self.choices) else self.choices
+        extra = {"type": self.type, "choices": list(choices) if choices else None, "metavar": self.metavar}
+        return {**kw, **{k: v for k, v in extra.items() if v is not None}}
+
+
+def _size_or_none(value: int | str | None, name: str) -> int | None:
+    return None if value is None else parse_size(value, name)
+
+
+def _size_or_zero(value: int | str | None, name: str) -> int:
+    return 0 if value is None else parse_size(value, name)
+
+
+def _quantization_choices() -> tuple[str, ...]:
+    from kvserve.quant.base import METHODS  # imports torch: asked only when a parser is built
+
+    return (*METHODS, "none")
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("model", "model.model", None, "HF directory or GGUF file (default: embedded SmolLM2-135M-Instruct)"),
+    Flag("dtype", "model.dtype", "auto",
+         "weight dtype (auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32)",
+         choices=DTYPES),
+    Flag("quantization", "model.quantization", None,
+         "weight quantization (default: what the checkpoint says; none: load dequantized)",
+         choices=_quantization_choices, aliases=("-q",)),
+    Flag("kv_cache_dtype", "cache.kv_cache_dtype", "auto",
+         "fp8: KV stored as float8 e4m3 with per-layer scales (about 2x the tokens)", choices=KV_CACHE_DTYPES),
+    Flag("max_model_len", "model.max_model_len", None,
+         "longest prompt + completion in tokens (default: the model's, at most 8192)", type=int),
+    Flag("max_num_seqs", "scheduler.max_num_seqs", 256, "most requests running at once", type=int),
+    Flag("max_num_batched_tokens", "scheduler.max_num_batched_tokens", None,
+         "token budget of one engine step (default 2048)", type=int),
+    Flag("block_size", "cache.block_size", 16, "tokens per KV block", type=int),
+    Flag("kv_cache_memory", "cache.kv_cache_memory", None, "KV cache size, e.g. 2GiB (default 2GiB)",
+         convert=_size_or_none, metavar="SIZE"),
+    Flag("num_kv_blocks", "cache.num_kv_blocks", None, "number of KV blocks (overrides --kv-cache-memory)",
+         type=int),
+    Flag("enable_prefix_caching", "cache.enable_prefix_caching", True,
+         "reuse the KV cache of shared prompt prefixes", boolean="optional"),
+    Flag("prefix_cache", "cache.prefix_cache", "hash", "prefix cache structure: hash chain or radix tree",
+         choices=PREFIX_CACHES),
+    Flag("seed", "model.seed", 0, "random seed of the engine", type=int),
+    Flag("device", "device", "cpu", "torch device, e.g. cpu or cuda"),
+    Flag("check_integrity", "check_integrity", False, "check the KV cache's invariants after every step",
+         cli=False),
+    # ---- parallelism
+    Flag("tensor_parallel_size", "parallel.tensor_parallel_size", 1,
+         "ranks that shard each layer's weights", group="parallel", type=int, aliases=("-tp",)),
+    Flag("pipeline_parallel_size", "parallel.pipeline_parallel_size", 1,
+         "ranks that each run a range of the layers", group="parallel", type=int, aliases=("-pp",)),
+    Flag("enable_expert_parallel", "parallel.enable_expert_parallel", False,
+         "shard MoE experts over the ranks instead of slicing each expert", group="parallel",
+         boolean="store_true"),
+    Flag("distributed_executor_backend", "parallel.distributed_executor_backend", None,
+         "uni: one process; mp: one process per rank; ray: Ray actors, across machines "
+         "(default: uni for one rank, else mp)", group="parallel", choices=EXECUTOR_BACKENDS),
+    Flag("cpu_threads_bind", "parallel.cpu_threads_bind", None,
+         "CPU cores of each rank, '|' between ranks, e.g. '0-3|4-7' (default auto: ranks of one host "
+         "share its cores equally)",
+         group="parallel", metavar="CORES"),
+    # ---- KV tiers
+    Flag("kv_offload_cpu", "tiers.cpu_bytes", None, "host RAM tier, e.g. 8GiB", group="tiers",
+         convert=_size_or_zero, metavar="SIZE"),
+    Flag("kv_offload_disk", "tiers.disk_path", None, "local disk tier directory", group="tiers", metavar="PATH"),
+    Flag("kv_offload_disk_size", "tiers.disk_bytes", "50GiB", "disk tier size", group="tiers",
+         convert=parse_size, metavar="SIZE"),
+    Flag("kv_offload_disk_min_hits", "tiers.disk_min_hits", 0, "only blocks hit N times in host RAM go down to disk",
+         group="tiers", type=int, metavar="N"),
+    Flag("kv_remote", "tiers.remote_url", None, "shared store, e.g. redis://127.0.0.1:6379", group="tiers",
+         metavar="URL"),
+    Flag("kv_remote_min_hits", "tiers.remote_min_hits", 0, "only blocks hit N times go to the shared store",
+         group="tiers", type=int, metavar="N"),
+    Flag("kv_remote_write_through", "tiers.remote_write_through", False,
+         "send every new full block to --kv-remote at once (replicas reuse it sooner)", group="tiers",
+         boolean="store_true"),
+)
+
+FLAGS_BY_NAME: dict[str, Flag] = {f.name: f for f in FLAGS}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add every CLI flag of FLAGS to `parser`, in argument groups."""
+    groups: dict[str, Any] = {}
+    for f in FLAGS:
+        if not f.cli:
+            continue
+        if f.group not in groups:
+            groups[f.group] = parser.add_argument_group(GROUP_TITLES[f.group])
+        groups[f.group].add_argument(f.option, *f.aliases, **f.argparse_kwargs())
+
+
+def config_from_kwargs(kwargs: Mapping[str, Any]) -> EngineConfig:
+    """EngineConfig from LLM keyword arguments; flags not given take their defaults."""
+    unknown = [k for k in kwargs if k not in FLAGS_BY_NAME]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], FLAGS_BY_NAME, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown engine argument {unknown[0]!r}{hint}")
+    return _build({f.name: kwargs.get(f.name, f.default) for f in FLAGS})
+
+
+def config_from_cli_args(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from a namespace parsed with add_engine_args."""
+    return _build({f.name: getattr(args, f.name) if f.cli else f.default for f in FLAGS})
+
+
+def _build(values: Mapping[str, Any]) -> EngineConfig:
+    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    top: dict[str, Any] = {}
+    for f in FLAGS:
+        value = values[f.name]
+        if f.convert is not None:
+            value = f.convert(value, f.name)
+        section, _, field = f.target.rpartition(".")
+        (sections[section] if section else top)[field] = value
+    return EngineConfig(**{name: cls(**sections[name]) for name, cls in SECTIONS.items()}, **top)

@@ -1,0 +1,83 @@
+"""One rank: its cores, its process groups, its shard of the model, its KV cache and runner.
+
+Executors (distributed/executor.py) create one Worker per rank, in the engine's process
+(uni), in a process of its own (mp) or in a Ray actor (ray), and call its methods by
+name (`collective_rpc`): every rank runs every call, in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.core.scheduler import SchedulerOutput
+from kvserve.distributed.parallel import Parallel, init_distributed
+from kvserve.models.loader import load_model
+from kvserve.worker.model_runner import ModelRunner, ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def bind_threads(cores: tuple[int, ...] | None) -> None:
+    """Pin this process to `cores` and run one intra-op thread per core (vLLM's
+    VLLM_CPU_OMP_THREADS_BIND): two ranks on one host must not fight over the same cores."""
+    if cores is None:
+        return
+    os.sched_setaffinity(0, set(cores))
+    torch.set_num_threads(len(cores))
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, num_blocks: int, kv_calibration_ids: list[int] | None,
+                 eos_token_id: int | None, init_method: str | None = None) -> None:
+        par = config.parallel
+        cores = par.cpu_cores
+        bind_threads(cores[par.rank] if cores else None)
+        torch.manual_seed(config.model.seed)
+        if par.world_size > 1:
+            parallel = init_distributed(par.rank, par.tensor_parallel_size, par.pipeline_parallel_size, init_method,
+                                        par.enable_expert_parallel)
+        else:
+            parallel = Parallel()
+        self.rank = par.rank
+        m = config.model
+        self.loaded = load_model(m.model, m.dtype, config.device, m.quantization, parallel)
+        self.runner = ModelRunner(self.loaded.model, self.loaded.hf_config, self.loaded.dtype, num_blocks,
+                                  config.cache.block_size, config.device, config.cache.kv_cache_dtype,
+                                  kv_calibration_ids, parallel)
+        self.runner.eos_token_id = eos_token_id
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step's output on the output rank (last stage, first tensor-parallel rank); None elsewhere."""
+        out = self.runner.execute(so)
+        return out if self.runner.is_output_rank else None
+
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor | None:
+        """Float32 logits [T, vocab] of token_ids as one prefill in scratch KV (eval's scoring);
+        None on ranks other than the output rank."""
+        hidden = self.runner.prefill_scratch(token_ids)
+        if hidden is None:
+            return None
+        logits = self.runner.model.compute_logits(hidden).float()
+        return logits if self.runner.is_output_rank else None
+
+    def model_info(self) -> dict[str, object]:
+        return {"quantization": self.loaded.quantization, "weight_bytes": self.loaded.weight_bytes,
+                "pid": os.getpid(), "threads": torch.get_num_threads()}
+
+    # ---- KV blocks of this rank's layers and heads (the KV tiers) ---------------------------
+
+    def kv_block_shape(self) -> tuple[int, ...]:
+        return self.runner.kv_block_shape
+
+    def kv_scales(self) -> torch.Tensor | None:
+        return self.runner.kv_scales
+
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return self.runner.read_kv_blocks(block_ids)
+
+    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self.runner.write_kv_blocks(block_ids, data)
