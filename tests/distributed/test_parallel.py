@@ -12,6 +12,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from tests.conftest import VOCAB
+from tests.models.conftest import make_hf_checkpoint, tiny_tokenizer  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.slow
 
@@ -164,3 +165,17 @@ def test_killed_rank_under_the_server_fails_streams_and_health(tiny_model_factor
         while any(_alive(p) for p in [engine, *ranks]):
             assert time.monotonic() < deadline, "a rank or the engine process outlived the failure"
             time.sleep(0.2)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_moe_tp2_and_expert_parallel_match_one_rank(make_hf_checkpoint, arch):
+    """Experts sliced over two ranks (TP=2) and experts split whole over them (TP=2 + EP, all-to-all
+    dispatch and combine) give one rank's greedy tokens."""
+    from tests.models.test_moe import _config
+
+    path = str(make_hf_checkpoint(_config(arch), name=arch)[0])
+    ref = _run(IDS, model=path, dtype="float32", num_kv_blocks=64)
+    for ep in (False, True):
+        outs = _run(IDS, model=path, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2,
+                    enable_expert_parallel=ep)
+        assert_same_greedy(outs, ref)
