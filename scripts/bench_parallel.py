@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 OUT = Path(os.environ.get("OUT", "bench-results/parallel"))
-ROWS = os.environ.get("ROWS", "tp1 tp2 pp2").split()
+ROWS = os.environ.get("ROWS", "tp1 tp2 pp2").split()  # "none": only the all-reduce table
 MODELS = os.environ.get("MODELS", "default llama1b").split()
 CONFIGS = {"tp1": {}, "tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
 # (prompts, input tokens, output tokens) per model: the 1B model is ~8x the work per token.
@@ -105,7 +105,9 @@ if __name__ == "__main__":
 
 
 def allreduce_table() -> dict:
-    res = subprocess.run([sys.executable, "-c", ALLREDUCE], capture_output=True, text=True, timeout=600)
+    script = OUT / "allreduce.py"  # a file: spawned ranks re-import __main__
+    script.write_text(ALLREDUCE)
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
         raise RuntimeError(f"all-reduce benchmark failed:\n{res.stderr[-3000:]}")
@@ -126,19 +128,22 @@ def cpu_line() -> str:
 
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict] = {"cpu": cpu_line()}
-    for model in MODELS:
+    saved = OUT / "results.json"
+    results: dict[str, dict] = json.loads(saved.read_text()) if saved.exists() else {}
+    results["cpu"] = cpu_line()
+    for model in MODELS if ROWS != ["none"] else []:
         path = None if model == "default" else llama_1b()
         for row in ROWS:
             r = run_row(path, WORK[model], row)
             results[f"{model} {row}"] = r
+            saved.write_text(json.dumps(results, indent=2))
             print(f"{model:8s} {row:4s} output {r['output_tok_s']:8.1f} tok/s  total {r['total_tok_s']:8.1f} tok/s  "
                   f"single stream {r['single_stream_tok_s']:6.1f} tok/s", flush=True)
     results["allreduce_us"] = allreduce_table()
     for k, v in results["allreduce_us"].items():
         print(f"all-reduce {k:14s} {v:9.1f} us")
-    (OUT / "results.json").write_text(json.dumps(results, indent=2))
-    print(f"CPU: {results['cpu']}; results in {OUT / 'results.json'}")
+    saved.write_text(json.dumps(results, indent=2))
+    print(f"CPU: {results['cpu']}; results in {saved}")
 
 
 if __name__ == "__main__":

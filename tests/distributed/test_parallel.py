@@ -168,7 +168,7 @@ def test_killed_rank_under_the_server_fails_streams_and_health(tiny_model_factor
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
-def test_moe_tp2_and_expert_parallel_match_one_rank(make_hf_checkpoint, arch):
+def test_moe_tp2_and_expert_parallel_match_one_rank(make_hf_checkpoint, arch):  # noqa: F811
     """Experts sliced over two ranks (TP=2) and experts split whole over them (TP=2 + EP, all-to-all
     dispatch and combine) give one rank's greedy tokens."""
     from tests.models.test_moe import _config
