@@ -2,6 +2,12 @@
 
 llama.cpp's converter permutes the rows of attn_q / attn_k of Llama models
 (interleaved rope layout); we undo it so the tensors match HF's rotate_half layout.
+
+A Mixtral is a "llama" file with `llama.expert_count` > 0: the router `ffn_gate_inp`
+and the experts either stacked (`ffn_{gate,up,down}_exps`, [E, out, in]) or, in older
+files, one tensor each (`ffn_gate.E`). It loads as MixtralForCausalLM, each expert under
+its HF name (gate w1, up w3, down w2) and dequantized: quantized kernels cover only
+attention and dense MLP linears.
 """
 
 from __future__ import annotations
@@ -41,11 +47,15 @@ _LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "block_sparse_moe.gate",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# An expert linear: stacked over experts (`_exps`) or one expert's (`.E`, older files).
+_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)(?:_exps|\.(\d+))\.weight")
+_EXPERT_LINEARS = {"gate": "w1", "up": "w3", "down": "w2"}  # Mixtral's HF names
 # Tensors that carry no HF weight: llama3 rope factors are taken from the config instead.
 _SKIP = {"rope_freqs.weight"}
 
@@ -118,7 +128,29 @@ def gguf_config(reader: Any, path: str) -> Any:
     )
     if arch == "qwen2":
         kwargs.pop("head_dim")
+    moe = _moe_kwargs(reader, arch, path)
+    if moe:
+        cfg_name = "MixtralConfig"
+        kwargs.update(moe)
     return getattr(transformers, cfg_name)(**kwargs)
+
+
+def _moe_kwargs(reader: Any, arch: str, path: str) -> dict[str, Any]:
+    """MixtralConfig's extra fields for a file with experts ({} for a dense one)."""
+    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    if not experts:
+        return {}
+    if arch != "llama":
+        raise ValueError(f"GGUF file {path!r}: experts (expert_count={experts}) in a {arch!r} file are not "
+                         "supported; only llama files with experts (Mixtral) are")
+    # llama.cpp's feed_forward_length is the dense width; an expert's comes from its tensors.
+    gate = next((t for t in reader.tensors if (m := _EXPERT_RE.fullmatch(t.name)) and m.group(2) == "gate"), None)
+    if gate is None:
+        raise ValueError(f"GGUF file {path!r} has expert_count={experts} but no ffn_gate_exps tensor")
+    return {"architectures": ["MixtralForCausalLM"], "num_local_experts": experts,
+            "num_experts_per_tok": int(_require(reader, f"{arch}.expert_used_count", path)),
+            "intermediate_size": int(gate.shape[1]),  # GGUF order: [hidden, intermediate(, experts)]
+            "sliding_window": None}
 
 
 def _token_embd(reader: Any, path: str) -> Any:
@@ -150,19 +182,23 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def dequantize_tensor(t: Any, path: str) -> np.ndarray:
-    """A reader tensor as float32 in numpy (rows first) order."""
+def dequantize_tensor(t: Any, path: str, index: int | None = None) -> np.ndarray:
+    """A reader tensor as float32 in numpy (rows first) order; with `index`, only its
+    index-th slice along the outermost dim (one expert of a stacked tensor)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    data = t.data
+    if index is not None:
+        shape, data = shape[1:], data[index]
     try:
         if t.tensor_type == GGMLQuantizationType.F32:
-            arr = np.asarray(t.data, dtype=np.float32)
+            arr = np.asarray(data, dtype=np.float32)
         elif t.tensor_type == GGMLQuantizationType.F16:
-            arr = np.asarray(t.data).astype(np.float32)
+            arr = np.asarray(data).astype(np.float32)
         else:
-            arr = dequantize(t.data, t.tensor_type)
+            arr = dequantize(data, t.tensor_type)
         arr = arr.reshape(shape)
     except NotImplementedError as e:
         raise ValueError(f"GGUF file {path!r}: tensor {t.name!r} has unsupported type {t.tensor_type.name}") from e
@@ -175,6 +211,19 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of llama.cpp's `permute` (HF rotate_half rows -> interleaved rows)."""
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _expert_names(t: Any, num_experts: int, path: str) -> list[str] | None:
+    """The HF names of the experts an expert tensor holds, in order (None: not an expert tensor)."""
+    m = _EXPERT_RE.fullmatch(t.name)
+    if m is None or not num_experts:
+        return None
+    layer, kind, expert = m.groups()
+    if expert is None and (len(t.shape) != 3 or int(t.shape[2]) != num_experts):
+        raise ValueError(f"GGUF file {path!r}: tensor {t.name!r} has shape {t.shape.tolist()}, "
+                         f"expected [in, out, {num_experts}] (expert_count)")
+    experts = range(num_experts) if expert is None else [int(expert)]
+    return [f"model.layers.{layer}.block_sparse_moe.experts.{e}.{_EXPERT_LINEARS[kind]}.weight" for e in experts]
 
 
 def gguf_weights(reader: Any, config: Any, path: str,
@@ -190,10 +239,13 @@ def gguf_weights(reader: Any, config: Any, path: str,
 
     arch = gguf_architecture(reader, path)
     tensors = [t for t in reader.tensors if t.name not in _SKIP]
+    num_experts = int(getattr(config, "num_local_experts", 0) or 0)
+    experts = {t.name: names for t in tensors if (names := _expert_names(t, num_experts, path))}
     for t in tensors:
-        if hf_name(t.name) is None:
+        if t.name not in experts and hf_name(t.name) is None:
             raise ValueError(f"GGUF file {path!r}: unexpected tensor {t.name!r}")
-    linears = [t for t in tensors if compressed and linear_prefix(hf_name(t.name)) and t.name.endswith(".weight")]
+    linears = [t for t in tensors if compressed and t.name not in experts and linear_prefix(hf_name(t.name))
+               and t.name.endswith(".weight")]
     raw = {t.name for t in linears if int(t.tensor_type) in REPACKABLE and len(t.data.shape) == 2}
     others = sorted({t.tensor_type.name for t in linears if t.name not in raw})
     if others:
@@ -208,6 +260,12 @@ def gguf_weights(reader: Any, config: Any, path: str,
 
     def gen() -> Iterator[tuple[str, torch.Tensor]]:
         for t in tensors:
+            if t.name in experts:
+                # A stacked tensor one expert at a time: all of it in float32 can take gigabytes.
+                stacked = len(t.shape) == 3
+                for e, name in enumerate(experts[t.name]):
+                    yield name, torch.from_numpy(dequantize_tensor(t, path, index=e if stacked else None))
+                continue
             name = hf_name(t.name)
             if t.name in raw:
                 prefix = name.removesuffix(".weight")
@@ -216,7 +274,7 @@ def gguf_weights(reader: Any, config: Any, path: str,
             else:
                 yield name, torch.from_numpy(rows(dequantize_tensor(t, path), t.name))
 
-    return len(tensors) + len(raw), gen()
+    return len(tensors) + len(raw) + sum(len(names) - 1 for names in experts.values()), gen()
 
 
 def _tokenizer_cache_dir(path: Path) -> Path:
