@@ -64,11 +64,15 @@ prompts = [[rng.randrange(100, vocab) for _ in range(inp)] for _ in range(n)]
 p = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
 llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm up
 llm.engine.clear_kv_cache()
+llm.engine.executor.collective_rpc("comm_stats", True)
 t = time.perf_counter(); llm.generate(prompts, p, use_tqdm=False); batch = time.perf_counter() - t
+comm = llm.engine.executor.collective_rpc("comm_stats", True)
 single = SamplingParams(temperature=0, max_tokens=out + 1, ignore_eos=True)
 t = time.perf_counter(); llm.generate([prompts[1][:16]], single, use_tqdm=False); one = time.perf_counter() - t
 print("RESULT", json.dumps({{"output_tok_s": n * out / batch, "total_tok_s": n * (inp + out) / batch,
-                            "single_stream_tok_s": (out + 1) / one, "batch_s": batch}}))
+                            "single_stream_tok_s": (out + 1) / one, "batch_s": batch,
+                            "comm_share": [(c["tp_seconds"] + c["pp_seconds"]) / batch for c in comm],
+                            "comm_calls": [c["tp_calls"] + c["pp_calls"] for c in comm]}}))
 llm.close()
 """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3600)
@@ -138,7 +142,8 @@ def main() -> None:
             results[f"{model} {row}"] = r
             saved.write_text(json.dumps(results, indent=2))
             print(f"{model:8s} {row:4s} output {r['output_tok_s']:8.1f} tok/s  total {r['total_tok_s']:8.1f} tok/s  "
-                  f"single stream {r['single_stream_tok_s']:6.1f} tok/s", flush=True)
+                  f"single stream {r['single_stream_tok_s']:6.1f} tok/s  in collectives "
+                  f"{', '.join(f'{c:.0%}' for c in r['comm_share'])} of the batch time", flush=True)
     results["allreduce_us"] = allreduce_table()
     for k, v in results["allreduce_us"].items():
         print(f"all-reduce {k:14s} {v:9.1f} us")

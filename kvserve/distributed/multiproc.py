@@ -13,6 +13,7 @@ signal, and a check of the parent's pid while idle), so none is orphaned.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import dataclasses
 import itertools
@@ -152,6 +153,7 @@ class MultiprocExecutor(Executor):
             p.stdin.write(pickle.dumps(args))
             p.stdin.close()
             self.procs.append(p)
+        atexit.register(self.shutdown)  # an LLM never closed still stops its ranks and removes its sockets
         try:
             self._wait(-1, STARTUP_TIMEOUT_S)
         except BaseException:
@@ -223,6 +225,7 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         if self._ctx.closed:
             return
+        atexit.unregister(self.shutdown)
         for s in self._calls:
             try:
                 s.send(pickle.dumps((-2, "shutdown", ())), zmq.NOBLOCK)

@@ -68,6 +68,15 @@ class Worker:
         return {"quantization": self.loaded.quantization, "weight_bytes": self.loaded.weight_bytes,
                 "pid": os.getpid(), "threads": torch.get_num_threads()}
 
+    def comm_stats(self, reset: bool = False) -> dict[str, float]:
+        """Seconds and calls in this rank's collectives (tensor-parallel group, pipeline hand-offs)."""
+        groups = {"tp": self.runner.parallel.tp, "pp": self.runner.parallel.pp}
+        out = {f"{k}_{f}": getattr(g, f) for k, g in groups.items() for f in ("seconds", "calls")}
+        if reset:
+            for g in groups.values():
+                g.seconds, g.calls = 0.0, 0
+        return out
+
     # ---- KV blocks of this rank's layers and heads (the KV tiers) ---------------------------
 
     def kv_block_shape(self) -> tuple[int, ...]:
