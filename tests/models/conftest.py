@@ -114,6 +114,24 @@ _GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "se
                "mlp.down_proj": "ffn_down"}
 
 
+def add_gguf_tokenizer(w, tokenizer) -> None:
+    """The tokenizer (gpt2 BPE), its special ids and the chat template, as llama.cpp's converter writes them."""
+    import json
+
+    vocab = tokenizer.backend_tokenizer.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_bos_token_id(vocab["<|im_start|>"])
+    w.add_eos_token_id(vocab["<|im_end|>"])
+    w.add_pad_token_id(vocab["<|endoftext|>"])
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
 @pytest.fixture
 def write_llama_gguf(tiny_tokenizer) -> Callable:
     """write_llama_gguf(hf_llama_model, path, qtypes: {gguf suffix: GGMLQuantizationType}) -> path.
@@ -121,7 +139,6 @@ def write_llama_gguf(tiny_tokenizer) -> Callable:
     Mirrors llama.cpp's converter: q/k rows permuted, tensors renamed, tokenizer
     (gpt2 BPE) and chat template in the metadata, no `output` tensor when tied.
     """
-    import json
 
     import gguf
     import numpy as np
@@ -141,18 +158,7 @@ def write_llama_gguf(tiny_tokenizer) -> Callable:
         w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
         w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
         w.add_vocab_size(cfg.vocab_size)
-        vocab = tiny_tokenizer.backend_tokenizer.get_vocab()
-        tokens = sorted(vocab, key=vocab.get)
-        merges = json.loads(tiny_tokenizer.backend_tokenizer.to_str())["model"]["merges"]
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("default")
-        w.add_token_list(tokens)
-        w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-        w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-        w.add_bos_token_id(vocab["<|im_start|>"])
-        w.add_eos_token_id(vocab["<|im_end|>"])
-        w.add_pad_token_id(vocab["<|endoftext|>"])
-        w.add_chat_template(CHAT_TEMPLATE)
+        add_gguf_tokenizer(w, tiny_tokenizer)
         for name, t in hf.state_dict().items():
             arr = t.float().numpy()
             if name == "lm_head.weight" and cfg.tie_word_embeddings:

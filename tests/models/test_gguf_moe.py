@@ -7,7 +7,6 @@ the expert tensors and initializes a random dense MLP, so it cannot serve as one
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import gguf
@@ -17,8 +16,7 @@ import torch
 
 from kvserve.models import load_model
 from kvserve.models.loader import open_checkpoint
-from tests.conftest import CHAT_TEMPLATE, SPECIALS
-from tests.models.conftest import _permute, randomize_
+from tests.models.conftest import _permute, add_gguf_tokenizer, randomize_
 
 Q = gguf.GGMLQuantizationType
 E, I, LAYERS = 4, 64, 2
@@ -78,17 +76,7 @@ def _write(hf, tokenizer, path: Path, qtypes: dict[str, Q], per_expert: bool = F
     w.add_vocab_size(cfg.vocab_size)
     w.add_expert_count(cfg.num_local_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
-    vocab = tokenizer.backend_tokenizer.get_vocab()
-    tokens = sorted(vocab, key=vocab.get)
-    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    w.add_bos_token_id(vocab["<|im_start|>"])
-    w.add_eos_token_id(vocab["<|im_end|>"])
-    w.add_chat_template(CHAT_TEMPLATE)
+    add_gguf_tokenizer(w, tokenizer)
     for name, arr in _gguf_tensors(hf).items():
         kind = name.split(".")[-2]
         qtype = qtypes.get(kind, Q.F32)
