@@ -66,7 +66,9 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
                               renormalize=True, weights_fp32=True, intermediate_name="intermediate_size")
 
 
-class Qwen2MoeDecoderLayer(LlamaDecoderLayer):
+class QwenMoeDecoderLayer(LlamaDecoderLayer):
+    """Qwen2-MoE and Qwen3-MoE: dense or sparse by transformers' rule; Qwen2-MoE adds a shared expert."""
+
     @staticmethod
     def build_mlp(config: Any, parallel: Parallel, layer_idx: int) -> nn.Module:
         if not _qwen_is_sparse(config, layer_idx):
@@ -74,17 +76,7 @@ class Qwen2MoeDecoderLayer(LlamaDecoderLayer):
         return SparseMoeBlock(config, parallel, config.num_experts, config.moe_intermediate_size,
                               renormalize=bool(config.norm_topk_prob), weights_fp32=False,
                               intermediate_name="moe_intermediate_size",
-                              shared_intermediate_size=config.shared_expert_intermediate_size)
-
-
-class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
-    @staticmethod
-    def build_mlp(config: Any, parallel: Parallel, layer_idx: int) -> nn.Module:
-        if not _qwen_is_sparse(config, layer_idx):
-            return LlamaMLP(config, parallel.tp, config.intermediate_size)
-        return SparseMoeBlock(config, parallel, config.num_experts, config.moe_intermediate_size,
-                              renormalize=bool(config.norm_topk_prob), weights_fp32=False,
-                              intermediate_name="moe_intermediate_size")
+                              shared_intermediate_size=getattr(config, "shared_expert_intermediate_size", None))
 
 
 class _MoeForCausalLM(LlamaForCausalLM):
@@ -132,7 +124,7 @@ class MixtralForCausalLM(_MoeForCausalLM):
 
 
 class Qwen2MoeForCausalLM(_MoeForCausalLM):
-    layer_cls = Qwen2MoeDecoderLayer
+    layer_cls = QwenMoeDecoderLayer
 
     @property
     def qkv_bias(self) -> bool:  # Qwen2-MoE's config calls it qkv_bias (default on), not attention_bias
@@ -140,5 +132,5 @@ class Qwen2MoeForCausalLM(_MoeForCausalLM):
 
 
 class Qwen3MoeForCausalLM(_MoeForCausalLM):
-    layer_cls = Qwen3MoeDecoderLayer
+    layer_cls = QwenMoeDecoderLayer
     qk_norm = True

@@ -116,11 +116,11 @@ def _hf_block(arch: str, dtype: torch.dtype):
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    from kvserve.models.moe import MixtralDecoderLayer, Qwen2MoeDecoderLayer, Qwen3MoeDecoderLayer
+    from kvserve.models.moe import MixtralDecoderLayer, QwenMoeDecoderLayer
 
     hf_cls, layer_cls, layer = {"mixtral": (MixtralSparseMoeBlock, MixtralDecoderLayer, 0),
-                                "qwen2_moe": (Qwen2MoeSparseMoeBlock, Qwen2MoeDecoderLayer, 1),
-                                "qwen3_moe": (Qwen3MoeSparseMoeBlock, Qwen3MoeDecoderLayer, 0)}[arch]
+                                "qwen2_moe": (Qwen2MoeSparseMoeBlock, QwenMoeDecoderLayer, 1),
+                                "qwen3_moe": (Qwen3MoeSparseMoeBlock, QwenMoeDecoderLayer, 0)}[arch]
     config = _config(arch)
     config._experts_implementation = "grouped_mm"  # what a whole model picks by default; None means eager
     torch.manual_seed(0)
