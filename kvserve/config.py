@@ -137,6 +137,37 @@ class TierConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """Publishing the blocks this engine caches, for routers (core/kv_events.py); off by default."""
+
+    endpoint: str | None = None  # ZMQ PUB address, e.g. tcp://127.0.0.1:5557
+    replay_endpoint: str | None = None  # snapshot address; default: endpoint's port + 1
+
+    def __post_init__(self) -> None:
+        for name, addr in (("kv_events_endpoint", self.endpoint), ("kv_events_replay_endpoint", self.replay_endpoint)):
+            if addr is not None and not re.match(r"^(tcp://[^:]+:\d+|ipc://.+|inproc://.+)$", addr):
+                raise ValueError(f"{name} must be a ZMQ address such as tcp://127.0.0.1:5557, got {addr!r}")
+        if self.replay_endpoint is not None and self.endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+        if self.replay_endpoint is not None and self.replay_endpoint == self.endpoint:
+            raise ValueError("kv_events_replay_endpoint must differ from kv_events_endpoint")
+
+    @property
+    def enabled(self) -> bool:
+        return self.endpoint is not None
+
+    @property
+    def replay(self) -> str | None:
+        """The replay address: the one given, else tcp on the endpoint's port + 1."""
+        if self.replay_endpoint is not None or self.endpoint is None:
+            return self.replay_endpoint
+        m = re.match(r"^tcp://(.+):(\d+)$", self.endpoint)
+        if m is None:
+            raise ValueError("give kv_events_replay_endpoint when kv_events_endpoint is not tcp://HOST:PORT")
+        return f"tcp://{m.group(1)}:{int(m.group(2)) + 1}"
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     """The scheduler's limits. None fields are filled in by the engine, which knows the model:
     max_num_batched_tokens (a default budget) and max_model_len (from ModelConfig.max_model_len
@@ -242,12 +273,13 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     tiers: TierConfig = field(default_factory=TierConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     device: str = "cpu"
     check_integrity: bool = False  # check the KV cache's invariants after every step (tests)
 
     def __post_init__(self) -> None:
         sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                    "parallel": ParallelConfig, "tiers": TierConfig}
+                    "parallel": ParallelConfig, "tiers": TierConfig, "kv_events": KVEventsConfig}
         for name, cls in sections.items():
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(f"EngineConfig.{name} must be a {cls.__name__}, got {getattr(self, name)!r}")

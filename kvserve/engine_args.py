@@ -17,19 +17,20 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvserve.config import (DTYPES, EXECUTOR_BACKENDS, KV_CACHE_DTYPES, PREFIX_CACHES, CacheConfig, EngineConfig,
-                            ModelConfig, ParallelConfig, SchedulerConfig, TierConfig, parse_size)
+                            KVEventsConfig, ModelConfig, ParallelConfig, SchedulerConfig, TierConfig, parse_size)
 
 # The exit code of every kvserve command given a bad flag or value (the message names it).
 EXIT_BAD_INPUT = 2
 
 # EngineConfig's sections, by the name a Flag.target starts with.
 SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                             "parallel": ParallelConfig, "tiers": TierConfig}
+                             "parallel": ParallelConfig, "tiers": TierConfig, "kv_events": KVEventsConfig}
 
 GROUP_TITLES = {
     "engine": "engine",
     "parallel": "parallelism (ranks = tensor-parallel x pipeline-parallel size)",
     "tiers": "KV tiers (blocks evicted from the KV cache are kept here and loaded back on a hit)",
+    "kv_events": "KV events (the blocks this engine caches, published for `kvserve router`)",
 }
 
 
@@ -138,6 +139,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("kv_remote_write_through", "tiers.remote_write_through", False,
          "send every new full block to --kv-remote at once (replicas reuse it sooner)", group="tiers",
          boolean="store_true"),
+    # ---- KV events
+    Flag("kv_events_endpoint", "kv_events.endpoint", None,
+         "publish every block stored or removed, in every tier, over ZMQ PUB at this address, "
+         "e.g. tcp://127.0.0.1:5557", group="kv_events", metavar="ADDR"),
+    Flag("kv_events_replay_endpoint", "kv_events.replay_endpoint", None,
+         "where a (re)connecting subscriber gets a snapshot of the current blocks "
+         "(default: the endpoint's port + 1)", group="kv_events", metavar="ADDR"),
 )
 
 FLAGS_BY_NAME: dict[str, Flag] = {f.name: f for f in FLAGS}

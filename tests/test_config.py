@@ -24,9 +24,11 @@ EXAMPLES = {
     "kv_offload_cpu": "8GiB", "kv_offload_disk": "/tmp/kv", "kv_offload_disk_size": "10GiB",
     "kv_offload_disk_min_hits": 2, "kv_remote": "redis://127.0.0.1:6379", "kv_remote_min_hits": 3,
     "kv_remote_write_through": True,
+    "kv_events_endpoint": "tcp://127.0.0.1:5557", "kv_events_replay_endpoint": "tcp://127.0.0.1:6000",
 }
 # Flags that only make sense with another one.
-NEEDS = {"kv_remote_write_through": {"kv_remote": "redis://127.0.0.1:6379"}}
+NEEDS = {"kv_remote_write_through": {"kv_remote": "redis://127.0.0.1:6379"},
+         "kv_events_replay_endpoint": {"kv_events_endpoint": "tcp://127.0.0.1:5557"}}
 # Config fields no flag sets: the engine fills them in (or, for rank, the executor).
 DERIVED = {"scheduler.max_model_len", "parallel.rank"}
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 from kvserve.core.block_pool import BlockPool
 from kvserve.core.kv_connector import KVConnector
+from kvserve.core.kv_events import KVEventSink
 from kvserve.core.prefix_cache import HashPrefixCache, PrefixCache, max_cached_blocks
 from kvserve.core.radix_cache import RadixPrefixCache
 from kvserve.request import Request
@@ -69,6 +70,14 @@ class KVCacheManager:
         if not self.cache.supports_tiers:
             raise ValueError("KV offload tiers key blocks by chain hash: use --prefix-cache hash")
         self.cache.evict_listener = connector.on_evict
+
+    def attach_events(self, sink: KVEventSink) -> None:
+        """Report every block the prefix cache registers or drops (KV events for routers)."""
+        if self.cache is None:
+            raise ValueError("KV events report prefix-cache blocks; drop --no-enable-prefix-caching")
+        if not self.cache.supports_tiers:
+            raise ValueError("KV events name blocks by chain hash: use --prefix-cache hash")
+        self.cache.events = sink
 
     def _match(self, request: Request) -> list[int]:
         if self.cache is None or request.skip_prefix_cache:

@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvserve.core.block_pool import BlockPool
-from kvserve.core.kv_connector import EvictedBlock
+from kvserve.core.kv_connector import DEVICE_TIER, EvictedBlock
+from kvserve.core.kv_events import KVEventSink
 from kvserve.request import Request
 
 _HASH_DOMAIN = b"kvserve.block.v1"
@@ -93,8 +94,10 @@ class PrefixCache(ABC):
         # Told about every block `evict` drops (the KV tiers offload it), if the
         # implementation can name its content by chain hash (see supports_tiers).
         self.evict_listener: Callable[[EvictedBlock], None] | None = None
+        # Told about every block registered or dropped (KV events for routers), likewise.
+        self.events: KVEventSink | None = None
 
-    supports_tiers = False
+    supports_tiers = False  # names blocks by chain hash: KV tiers and KV events need it
 
     @abstractmethod
     def match(self, request: Request, max_blocks: int) -> list[int]:
@@ -243,6 +246,8 @@ class HashPrefixCache(PrefixCache):
             self._by_block[block_id] = e
             self._by_uid[e.uid] = e
             parent_uid = e.uid
+            if self.events is not None:
+                self.events.stored(h, parent_hash, DEVICE_TIER)
         self._cursor[request.request_id] = (num_full_blocks, parent_uid)
 
     def acquire(self, block_ids: list[int]) -> None:
@@ -267,6 +272,8 @@ class HashPrefixCache(PrefixCache):
             del self._by_hash[e.hash]
             del self._by_uid[e.uid]
             out.append(b)
+            if self.events is not None:
+                self.events.removed(e.hash, DEVICE_TIER)
             if self.evict_listener is not None:
                 self.evict_listener(EvictedBlock(b, e.hash, e.parent_hash, e.tokens))
         return out
@@ -282,6 +289,8 @@ class HashPrefixCache(PrefixCache):
         self._by_uid.clear()
         self._idle.clear()
         self._cursor.clear()
+        if self.events is not None:
+            self.events.cleared(DEVICE_TIER)
         return out
 
     @property

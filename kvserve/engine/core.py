@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -15,7 +16,8 @@ from concurrent.futures import Future
 
 import torch
 
-from kvserve.config import CacheConfig, EngineConfig, TierConfig
+from kvserve.config import CacheConfig, EngineConfig, KVEventsConfig, TierConfig
+from kvserve.core.kv_events import KVEventPublisher, KVEventSink
 from kvserve.core.kv_manager import KVCacheManager
 from kvserve.core.scheduler import Scheduler, SchedulerOutput
 from kvserve.distributed.executor import Executor, WorkerError
@@ -79,6 +81,7 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                  cache_config.prefix_cache)
         self.tiers = self._tiers(config.tiers) if config.tiers.enabled else None
+        self.kv_events = self._kv_events(config.kv_events) if config.kv_events.enabled else None
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.tiers)
         self.processor = OutputProcessor(self.tokenizer)
         self.check_integrity = config.check_integrity
@@ -116,16 +119,31 @@ class EngineCore:
             ids = list(tok(KV_CALIBRATION_TEXT)["input_ids"])
         return [t for t in ids if 0 <= t < self.vocab_size][:min(KV_CALIBRATION_MAX_TOKENS, self.max_model_len)]
 
-    def _tiers(self, cfg: TierConfig):
-        from kvserve.kv_tiers.manager import TierManager, model_fingerprint
+    @functools.cached_property
+    def model_fingerprint(self) -> bytes:
+        """What a KV block depends on besides its tokens (kv_tiers.manager.model_fingerprint)."""
+        from kvserve.kv_tiers.manager import model_fingerprint
 
-        shape = self.executor.kv_block_shape
         weights = f"{self.dtype}|{self.quantization}"  # the same file loaded another way computes other K/V
-        fingerprint = model_fingerprint(self.model_path, weights, self.kv_dtype, shape, self.executor.kv_scales())
-        tiers = TierManager(cfg, fingerprint, self.cache_config.block_size, shape, self.kv_dtype)
+        return model_fingerprint(self.model_path, weights, self.kv_dtype, self.executor.kv_block_shape,
+                                 self.executor.kv_scales())
+
+    def _tiers(self, cfg: TierConfig):
+        from kvserve.kv_tiers.manager import TierManager
+
+        tiers = TierManager(cfg, self.model_fingerprint, self.cache_config.block_size, self.executor.kv_block_shape,
+                            self.kv_dtype)
         self.kv.attach_connector(tiers)
         atexit.register(self.close)  # queued tier writes and the disk tier's save happen at exit too
         return tiers
+
+    def _kv_events(self, cfg: KVEventsConfig) -> KVEventPublisher:
+        """Publish the blocks of the prefix cache and of every tier for routers."""
+        sink = KVEventSink()
+        self.kv.attach_events(sink)
+        if self.tiers is not None:
+            self.tiers.events = sink
+        return KVEventPublisher(sink, cfg.endpoint, cfg.replay, self.model_fingerprint.hex(), self.kv.block_size)
 
     def _eos_token_id(self) -> int | None:
         eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -289,4 +307,7 @@ class EngineCore:
                     logger.warning("KV tiers: blocks in memory not saved: %s", e)
             self.tiers.close()
             self.tiers = None
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
         self.executor.shutdown()

@@ -82,6 +82,8 @@ class ModelInfo:
     num_kv_blocks: int
     eos_token_id: int | None
     pid: int
+    # With --kv-events-endpoint: endpoint, replay_endpoint, model_fingerprint, hash_scheme (GET /kv_events)
+    kv_events: dict[str, Any] | None = None
 
 
 # One logprob position on the wire: [[token_id, logprob, rank, decoded_token], ...],
@@ -376,11 +378,19 @@ def build_engine(config: EngineConfig):
     return EngineCore(config)
 
 
+def kv_events_info(engine) -> dict[str, Any] | None:
+    pub = engine.kv_events
+    if pub is None:
+        return None
+    return {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint,
+            "model_fingerprint": pub.header["model_fingerprint"], "hash_scheme": pub.header["hash_scheme"]}
+
+
 def ready_message(engine, config: EngineConfig) -> dict[str, Any]:
     info = ModelInfo(model=config.model.model, model_path=str(engine.model_path),
                      max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
                      block_size=engine.kv.block_size, num_kv_blocks=engine.kv.num_blocks,
-                     eos_token_id=engine.eos_token_id, pid=os.getpid())
+                     eos_token_id=engine.eos_token_id, pid=os.getpid(), kv_events=kv_events_info(engine))
     return {"type": READY, **asdict(info)}
 
 

@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 from kvserve.kv_tiers.base import KVTier, StatValue
@@ -103,6 +104,8 @@ class DiskTier(KVTier):
         self._available = True
         self._write_failing = False
         self._hits = self._misses = self._evictions = self._write_errors = 0
+        # Told the key of each entry evicted to make room (KV events); called under the lock.
+        self.removed_listener: Callable[[bytes], None] | None = None
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             with self._lock:
@@ -165,6 +168,8 @@ class DiskTier(KVTier):
             self._bytes_used -= entry.size
             _unlink_quiet(self._path_for(key))
             n += 1
+            if self.removed_listener is not None:
+                self.removed_listener(key)
         self._evictions += n
         return n
 

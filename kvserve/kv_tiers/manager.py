@@ -32,6 +32,7 @@ import torch
 
 from kvserve.config import TierConfig
 from kvserve.core.kv_connector import EvictedBlock, KVConnector, TierHit
+from kvserve.core.kv_events import KVEventSink
 from kvserve.core.prefix_cache import block_tokens, compute_block_hashes, max_cached_blocks
 from kvserve.kv_tiers.base import Evicted, KVTier
 from kvserve.kv_tiers.codec import CorruptEntryError, decode_entry, encode_entry
@@ -107,6 +108,12 @@ class TierManager(KVConnector):
         self.bytes_offloaded: dict[str, int] = defaultdict(int)
         self.bytes_onloaded = 0
         self.writes_dropped = 0
+        # KV events (for routers): the sink, and the chain hash of each entry in the host and
+        # disk tiers by key (a tier evicts by key; a router knows blocks by chain hash).
+        self.events: KVEventSink | None = None
+        self._names: dict[str, dict[bytes, tuple[bytes, bytes]]] = {CPU: {}, DISK: {}}
+        if self.disk is not None:
+            self.disk.removed_listener = lambda key: self._removed(DISK, key)
         self._reads: queue.Queue = queue.Queue()
         self._writes: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE_MAX)
         self._threads = [threading.Thread(target=self._loop, args=(q,), name=f"kvserve-tier-{n}", daemon=True)
@@ -164,6 +171,7 @@ class TierManager(KVConnector):
             except CorruptEntryError as e:
                 logger.warning("dropping a corrupt host-tier KV entry: %s", e)
                 self.host.delete(key)
+                self._removed(CPU, key)
                 break
             hits.append(TierHit(hashes[i], CPU))
         return hits
@@ -191,16 +199,17 @@ class TierManager(KVConnector):
         self._ready.clear()
 
     def _store(self, b: EvictedBlock, data: torch.Tensor) -> None:
-        blob = self._encode(b, data)
+        blob, key, name = self._encode(b, data), self.key(b.block_hash), (b.block_hash, b.parent_hash)
         if self.host is None:
-            self._demote([Evicted(self.key(b.block_hash), blob, 0)])
+            self._demote([Evicted(key, blob, 0)], {key: name})
             return
-        ok, evicted = self.host.put_evicting(self.key(b.block_hash), blob)
+        ok, evicted = self.host.put_evicting(key, blob)
         if ok:
             self.bytes_offloaded[CPU] += len(blob)
-        self._demote(evicted)
+            self._stored(CPU, key, name)
+        self._demote(evicted, {e.key: self._removed(CPU, e.key) for e in evicted})
 
-    def _demote(self, entries: list[Evicted]) -> None:
+    def _demote(self, entries: list[Evicted], names: dict[bytes, tuple[bytes, bytes] | None]) -> None:
         for e in entries:
             targets = [t for t, min_hits in ((self.disk, self.cfg.disk_min_hits),
                                              (self.remote, self.cfg.remote_min_hits))
@@ -208,9 +217,29 @@ class TierManager(KVConnector):
             if not targets:
                 continue
             try:
-                self._writes.put_nowait((self._write, (e.key, e.blob, targets)))
+                self._writes.put_nowait((self._write, (e.key, e.blob, targets, names.get(e.key))))
             except queue.Full:
                 self.writes_dropped += 1
+
+    # ---- KV events ------------------------------------------------------------------
+
+    def _stored(self, tier: str, key: bytes, name: tuple[bytes, bytes] | None) -> None:
+        if self.events is None or name is None:
+            return
+        if tier in self._names:
+            with self._lock:
+                self._names[tier][key] = name
+        self.events.stored(name[0], name[1], tier)
+
+    def _removed(self, tier: str, key: bytes) -> tuple[bytes, bytes] | None:
+        """Report the entry gone from `tier`; returns its (chain hash, parent) when known."""
+        if self.events is None:
+            return None
+        with self._lock:
+            name = self._names[tier].pop(key, None) if tier in self._names else None
+        if name is not None:
+            self.events.removed(name[0], tier)
+        return name
 
     def write_through(self, requests: list[Request], runner: Any) -> None:
         """After a step: queue the requests' newly computed full blocks for the remote tier."""
@@ -228,14 +257,16 @@ class TierManager(KVConnector):
             return
         for (_, b), data in zip(todo, runner.read_kv_blocks([bid for bid, _ in todo])):
             try:
-                self._writes.put_nowait((self._write_new, (self.key(b.block_hash), self._encode(b, data))))
+                self._writes.put_nowait((self._write_new, (self.key(b.block_hash), self._encode(b, data),
+                                                           (b.block_hash, b.parent_hash))))
             except queue.Full:
                 self.writes_dropped += 1
 
-    def _write_new(self, key: bytes, blob: bytes) -> None:
+    def _write_new(self, key: bytes, blob: bytes, name: tuple[bytes, bytes]) -> None:
         assert self.remote is not None
         if not self.remote.contains(key) and self.remote.put(key, blob):
             self.bytes_offloaded[REMOTE] += len(blob)
+            self._stored(REMOTE, key, name)
 
     # ---- KVConnector: prefetch from slow tiers -------------------------------------
 
@@ -309,6 +340,7 @@ class TierManager(KVConnector):
                     except CorruptEntryError as e:
                         logger.warning("deleting a corrupt %s-tier KV entry: %s", tier.name, e)
                         tier.delete(key)
+                        self._removed(tier.name, key)
                         continue
                     self.stats_tokens[f"{tier.name}_hits"] += self.block_size
                     with self._lock:
@@ -329,10 +361,11 @@ class TierManager(KVConnector):
             self._done.put(request_id)
             self._done_event.set()
 
-    def _write(self, key: bytes, blob: bytes, targets: list[KVTier]) -> None:
+    def _write(self, key: bytes, blob: bytes, targets: list[KVTier], name: tuple[bytes, bytes] | None = None) -> None:
         for tier in targets:
             if tier.put(key, blob):
                 self.bytes_offloaded[tier.name] += len(blob)
+                self._stored(tier.name, key, name)
 
     # ---- management ---------------------------------------------------------------
 
@@ -357,7 +390,13 @@ class TierManager(KVConnector):
         with self._lock:
             self._staged.clear()
             self._staged_by_req.clear()
-        return {t.name: t.clear() for t in self.tiers()}
+            for names in self._names.values():
+                names.clear()
+        out = {t.name: t.clear() for t in self.tiers()}
+        if self.events is not None:
+            for name in out:
+                self.events.cleared(name)
+        return out
 
     def persist(self, cached: list[EvictedBlock], runner: Any, timeout: float = FLUSH_BUDGET_S) -> int:
         """Save what would be lost at shutdown to the disk tier: blocks still cached on the

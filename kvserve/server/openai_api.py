@@ -110,6 +110,14 @@ def build_app(engine: AsyncEngine, tokenizer: Any, served_model_name: str, api_k
         """Empty the prefix cache and every KV tier (kvserve extension)."""
         return {"cleared": await engine.clear_kv_cache()}
 
+    @app.get("/kv_events")
+    async def kv_events() -> dict:
+        """Where this replica publishes its KV events, for `kvserve router --replica URL` (kvserve
+        extension; no key needed, like /health: it names addresses, not data)."""
+        ev = info.kv_events or {}
+        return {"enabled": bool(ev), **ev, "block_size": info.block_size, "model": served_model_name,
+                "model_path": info.model_path, "max_model_len": info.max_model_len}
+
     @app.get("/v1/models", dependencies=v1)
     async def models() -> dict:
         card = P.ModelCard(id=served_model_name, root=info.model_path, max_model_len=info.max_model_len)
