@@ -8,6 +8,7 @@ from fastapi.responses import StreamingResponse
 
 from kvserve.engine.engine_proc import CompletionDelta
 from kvserve.server import protocol as P
+from kvserve.server.prompts import PromptError, chat_prompt_ids
 from kvserve.server.serving import Accum, APIError, Serving
 
 
@@ -51,22 +52,10 @@ class ChatServing(Serving):
                                         usage=acc.usage()).model_dump()
 
     def _chat_tokens(self, req: P.ChatCompletionRequest) -> list[int]:
-        msgs = []
-        for m in req.messages:
-            content = m.content
-            if isinstance(content, list):
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise APIError(400, "only text content parts are supported", param="messages")
-                content = "".join(p["text"] for p in content)
-            msgs.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, "the model has no chat template; use /v1/completions", param="messages")
         try:
-            out = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        except Exception as e:  # noqa: BLE001 - templates raise their own errors (e.g. role order)
-            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
+            return chat_prompt_ids(self.tokenizer, [m.model_dump() for m in req.messages])
+        except PromptError as e:
+            raise APIError(400, e.message, param=e.param) from None
 
     def _logprobs(self, positions: list[dict], k: int) -> P.ChatLogprobs:
         content = []

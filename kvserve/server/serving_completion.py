@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from kvserve.engine.engine_proc import CompletionDelta
 from kvserve.server import protocol as P
+from kvserve.server.prompts import PromptError, completion_prompt_ids
 from kvserve.server.serving import Accum, APIError, Deltas, Serving
 
 
@@ -70,12 +71,10 @@ class CompletionServing(Serving):
 
     def _encode(self, prompt: Any) -> tuple[list[list[int]], list[str | None]]:
         """Token ids of each prompt, and its text when it was given as text."""
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            prompt = [prompt]
-        if not prompt:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        ids = [list(self.tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p) for p in prompt]
-        return ids, [p if isinstance(p, str) else None for p in prompt]
+        try:
+            return completion_prompt_ids(self.tokenizer, prompt)
+        except PromptError as e:
+            raise APIError(400, e.message, param=e.param) from None
 
 
 class _Echo:

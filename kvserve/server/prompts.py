@@ -1,0 +1,65 @@
+"""How a request becomes prompt token ids: the one copy the server and the router share.
+
+The router hashes a prompt's blocks to find the replica that caches them, so it must get
+exactly the token ids the replica will compute; both call these functions with the same
+tokenizer. They take plain JSON values (a chat body's messages as dicts, a completion
+body's prompt), so the router can pass a raw body, and import neither torch nor FastAPI.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class PromptError(ValueError):
+    """The request cannot become a prompt; the server answers 400 with this message and param."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+def _message_text(content: Any) -> str:
+    """A message's content as one string: text parts joined, the only kind of part we take."""
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise PromptError("only text content parts are supported", "messages")
+        return "".join(p["text"] for p in content)
+    return content or ""
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of a chat: the model's chat template over the messages, with the generation
+    prompt. Messages are dicts with "role" and "content" (str, text parts, or None)."""
+    msgs = []
+    for m in messages:
+        if not isinstance(m, dict):
+            raise PromptError("each message must be an object with a role and a content", "messages")
+        role = m.get("role")
+        # OpenAI's "developer" role is the system prompt under another name; templates know "system".
+        msgs.append({"role": "system" if role == "developer" else role, "content": _message_text(m.get("content"))})
+    if not getattr(tokenizer, "chat_template", None):
+        raise PromptError("the model has no chat template; use /v1/completions", "messages")
+    try:
+        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    except Exception as e:  # noqa: BLE001 - templates raise their own errors (e.g. role order)
+        raise PromptError(f"the chat template rejected the messages: {e}", "messages") from None
+    # Newer transformers return a BatchEncoding here, older ones a plain list.
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def completion_prompt_ids(tokenizer: Any, prompt: Any) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids of each prompt of a completion request (a string, a list of strings, token
+    ids, or a list of token id lists), and each prompt's text when it was given as text."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt, list) and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
+        raise PromptError("prompt must not be empty", "prompt")
+    if not isinstance(prompt, list) or not all(
+            isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p)) for p in prompt):
+        # The server's schema rejects these first; a router reading a raw body may meet them.
+        raise PromptError("prompt must be a string, a list of strings, a list of token ids "
+                          "or a list of lists of token ids", "prompt")
+    ids = [list(tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p) for p in prompt]
+    return ids, [p if isinstance(p, str) else None for p in prompt]
