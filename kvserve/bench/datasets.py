@@ -39,6 +39,7 @@ class BenchRequest:
     prompt_token_ids: list[int] | None = field(default=None, repr=False)
     # multiturn: the ids this turn adds after the previous turn's reply (its user message)
     turn_ids: list[int] | None = field(default=None, repr=False)
+    user: str | None = None  # multiturn: the session's id, sent as the OpenAI `user` field
 
 
 def sharegpt_path() -> Path:
@@ -305,10 +306,19 @@ def _session(pieces: list[str], ids: list[list[int]], lead: list[int],
     return turns
 
 
+def _with_system(turns: list[BenchRequest], system: list[int], after: int, tokenizer: Any) -> None:
+    """Put a system prompt's ids after the leading special ids of every turn of a session."""
+    text = tokenizer.decode(system) + "\n\n"
+    for t in turns:
+        ids = t.prompt_token_ids or []
+        t.prompt_token_ids = ids[:after] + system + ids[after:]
+        t.prompt_len, t.prompt = len(t.prompt_token_ids), text + t.prompt
+
+
 def multiturn_sessions(tokenizer: Any, num_sessions: int, max_turns: int = MULTITURN_MAX_TURNS,
                        max_prompt_len: int = MULTITURN_MAX_PROMPT_LEN, max_output_len: int = 256,
-                       seed: int = 0, path: str | Path | None = None,
-                       window: int = SHUFFLE_WINDOW) -> list[list[BenchRequest]]:
+                       seed: int = 0, path: str | Path | None = None, window: int = SHUFFLE_WINDOW,
+                       system_prompts: int = 0, system_prompt_len: int = 1024) -> list[list[BenchRequest]]:
     """`num_sessions` ShareGPT conversations replayed turn by turn: a KV-reuse workload.
 
     Turn k's prompt is the conversation so far: user_0, reply_0, ..., user_k, with the
@@ -318,6 +328,10 @@ def multiturn_sessions(tokenizer: Any, num_sessions: int, max_turns: int = MULTI
     is reply_k's token length clamped to 4..max_output_len. A session ends after `max_turns`
     turns or before the turn whose prompt + output would exceed `max_prompt_len`; sessions
     with fewer than 2 turns are skipped. Selection is seeded like `load_sharegpt`.
+
+    With `system_prompts` K > 0 the sessions are tenants' users: session i's every prompt
+    starts with system prompt i % K, `system_prompt_len` ids of other ShareGPT text (counted
+    in max_prompt_len), as a multi-tenant service's would.
     """
     if num_sessions < 1 or max_turns < 2:
         raise ValueError(f"num_sessions must be at least 1 and max_turns at least 2, "
@@ -325,9 +339,15 @@ def multiturn_sessions(tokenizer: Any, num_sessions: int, max_turns: int = MULTI
     if max_prompt_len < 8 or max_output_len < 4:
         raise ValueError(f"max_prompt_len must be at least 8 and max_output_len at least 4, "
                          f"got {max_prompt_len} and {max_output_len}")
+    if system_prompts < 0 or (system_prompts and not 1 <= system_prompt_len < max_prompt_len - 8):
+        raise ValueError(f"system_prompts must be >= 0 and system_prompt_len in [1, max_prompt_len - 8), "
+                         f"got {system_prompts} and {system_prompt_len}")
     src = Path(path) if path is not None else sharegpt_path()
-    convs = _dialogue_pairs(_shuffled(iter_json_array(src), random.Random(seed), window), max_turns)
+    records = _shuffled(iter_json_array(src), random.Random(seed), window)
+    systems = [_shared_prefix(tokenizer, records, system_prompt_len) for _ in range(system_prompts)]
+    convs = _dialogue_pairs(records, max_turns)
     lead = _leading_special_ids(tokenizer)
+    budget = max_prompt_len - (system_prompt_len if system_prompts else 0)
     out: list[list[BenchRequest]] = []
     seen = 0
     while len(out) < num_sessions:
@@ -341,9 +361,13 @@ def multiturn_sessions(tokenizer: Any, num_sessions: int, max_turns: int = MULTI
         ids = [list(x) for x in tokenizer(flat, add_special_tokens=False)["input_ids"]]
         start = 0
         for conv in pieces:
-            turns = _session(conv, ids[start:start + len(conv)], lead, max_prompt_len, max_output_len)
+            turns = _session(conv, ids[start:start + len(conv)], lead, budget, max_output_len)
             start += len(conv)
             if len(turns) >= 2:
+                if systems:
+                    _with_system(turns, systems[len(out) % len(systems)], len(lead), tokenizer)
+                for t in turns:
+                    t.user = f"session-{len(out)}"
                 out.append(turns)
                 if len(out) == num_sessions:
                     break

@@ -82,6 +82,11 @@ def add_serve_bench_parser(bench_sub: Any) -> None:
     p.add_argument("--max-output-len", type=int, default=256,
                    help="sharegpt: longest completion kept; multiturn: cap on a turn's output")
     p.add_argument("--max-turns", type=int, default=DEFAULT_MAX_TURNS, help="multiturn: turns per session at most")
+    p.add_argument("--system-prompts", type=int, default=0,
+                   help="multiturn: K tenants' system prompts, session i's prompts start with number i %% K "
+                        "(a multi-tenant service; default 0: none)")
+    p.add_argument("--system-prompt-len", type=int, default=1024,
+                   help="multiturn: tokens of each system prompt (default 1024)")
     p.add_argument("--turn-gap", type=float, default=0.0,
                    help="multiturn: seconds between a turn's end and the next turn's request (default 0)")
     p.add_argument("--multiturn-history", choices=["generated", "reference"], default="generated",
@@ -199,7 +204,8 @@ def build_sessions(args: argparse.Namespace, tokenizer: Any) -> list[list[BenchR
         return [[r] for r in build_serve_requests(args, tokenizer)]
     max_prompt_len = DEFAULT_MULTITURN_PROMPT_LEN if args.max_prompt_len is None else args.max_prompt_len
     sessions = multiturn_sessions(tokenizer, args.num_prompts, args.max_turns, max_prompt_len,
-                                  args.max_output_len, seed=args.seed)
+                                  args.max_output_len, seed=args.seed, system_prompts=args.system_prompts,
+                                  system_prompt_len=args.system_prompt_len)
     if args.output_len is not None:
         for r in (r for turns in sessions for r in turns):
             r.output_len = args.output_len
@@ -261,7 +267,7 @@ def _with_generated_history(prev: RequestTiming, prev_req: BenchRequest, req: Be
     prefix the server has computed before), in place of the reference reply."""
     reply = list(tokenizer([prev.text], add_special_tokens=False)["input_ids"][0])
     ids = list(prev_req.prompt_token_ids or []) + reply + list(req.turn_ids or [])
-    return BenchRequest(req.prompt, len(ids), req.output_len, ids, turn_ids=req.turn_ids)
+    return BenchRequest(req.prompt, len(ids), req.output_len, ids, turn_ids=req.turn_ids, user=req.user)
 
 
 async def send_request(client: Any, model: str, req: BenchRequest, cache_salt: str | None) -> RequestTiming:
@@ -278,7 +284,7 @@ async def send_request(client: Any, model: str, req: BenchRequest, cache_salt: s
     try:
         stream = await client.completions.create(
             model=model, prompt=req.prompt_token_ids, max_tokens=req.output_len, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body=extra)
+            stream_options={"include_usage": True}, extra_body=extra, **({"user": req.user} if req.user else {}))
         async with stream:
             async for chunk in stream:
                 now = time.perf_counter()

@@ -211,6 +211,24 @@ def test_multiturn_sessions_extend_the_previous_prompt(tokenizer):
 
 
 @needs_sharegpt
+def test_multiturn_tenants_share_their_system_prompt(tokenizer):
+    sessions = multiturn_sessions(tokenizer, 6, max_turns=3, max_prompt_len=400, max_output_len=8, seed=1,
+                                  system_prompts=2, system_prompt_len=64)
+    plain = multiturn_sessions(tokenizer, 6, max_turns=3, max_prompt_len=400, max_output_len=8, seed=1)
+    systems = [s[0].prompt_token_ids[:64] for s in sessions[:2]]
+    assert systems[0] != systems[1]
+    for i, turns in enumerate(sessions):
+        assert {t.user for t in turns} == {f"session-{i}"}
+        for t in turns:
+            assert t.prompt_token_ids[:64] == systems[i % 2] and t.prompt_len == len(t.prompt_token_ids) <= 400
+            assert t.prompt.startswith(tokenizer.decode(systems[i % 2]))
+    # the conversations themselves are other records than the system prompts' text
+    assert all(len(a) >= 2 for a in plain) and sessions[0][0].prompt_token_ids[64:] != plain[0][0].prompt_token_ids
+    with pytest.raises(ValueError, match="system_prompt_len"):
+        multiturn_sessions(tokenizer, 2, max_prompt_len=100, system_prompts=1, system_prompt_len=100)
+
+
+@needs_sharegpt
 def test_multiturn_sessions_run_turn_by_turn_and_reuse_the_cache(server, tokenizer, tmp_path, capsys):
     flags = ["--max-turns", "4", "--max-prompt-len", "300", "--max-output-len", "8", "--seed", "1"]
     sessions = multiturn_sessions(tokenizer, 3, 4, 300, 8, seed=1)
