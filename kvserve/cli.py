@@ -1,4 +1,4 @@
-"""`kvserve serve | generate | chat | bench | cache | eval | quantize` — flag names mirror `vllm serve`."""
+"""`kvserve serve | router | generate | chat | bench | cache | eval | quantize` — flag names mirror `vllm serve`."""
 
 from __future__ import annotations
 
@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_server_args(s)
     s.set_defaults(func=cmd_serve)
+
+    from kvserve.router.launch import add_router_args, cmd_router
+
+    r = sub.add_parser("router", help="OpenAI-compatible front over several `kvserve serve` replicas")
+    add_router_args(r)
+    r.set_defaults(func=cmd_router)
 
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     add_engine_args(g)

@@ -32,9 +32,12 @@ TIER_WEIGHTS: dict[str, float] = {"device": 1.0, "cpu": 0.8, "disk": 0.5, "remot
 
 DEFAULT_BLOCK_SIZE = 16  # CacheConfig's default, for a replica that has not said its own
 # Balance thresholds (SGLang's balance_abs_threshold / balance_rel_threshold), on ReplicaView.load
-# in tokens: 32 blocks of 16 tokens is about two prefill chunks of a small model, a gap a
-# cache hit rarely repays; 1.5x keeps a busy fleet with a large absolute spread from tripping it.
-BALANCE_ABS_THRESHOLD = 32 * DEFAULT_BLOCK_SIZE
+# in tokens left to prefill: two engine steps of the default token budget (2048), a gap a busy
+# replica needs several steps to close, so routing a hit there would stall it; smaller gaps are
+# what the cost already weighs, request by request (a threshold under one prompt's length turned
+# kv_aware into least_load in the router benchmark). 1.5x keeps a busy fleet with a large
+# absolute spread from tripping it.
+BALANCE_ABS_THRESHOLD = 2 * 2048
 BALANCE_REL_THRESHOLD = 1.5
 _TIE = 1e-9  # costs are sums of float weights: equal sums may differ in the last bits
 

@@ -22,7 +22,9 @@ class ReplicaView:
     url: str
     healthy: bool = True
     in_flight: int = 0  # requests routed here and not finished
-    pending_prefill_tokens: int = 0  # prompt tokens of requests here still waiting for their first byte
+    # prompt tokens left to compute (less what the policy expected cached) of requests here still
+    # waiting for their first byte
+    pending_prefill_tokens: int = 0
     decode_streams: int = 0  # requests here past their first byte, still generating
     kv_events: KVEventSubscriber | None = None  # its block mirror, when it publishes KV events
     block_size: int | None = None

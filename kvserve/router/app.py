@@ -1,0 +1,146 @@
+"""The router's HTTP front: the OpenAI routes of a replica, served by whichever replica the
+policy picks, plus /health, /replicas and /metrics about the router itself.
+
+    kvserve router --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 --policy session
+
+(start-up and --launch: router/launch.py). Errors the router makes itself leave in the
+OpenAI shape a replica uses; errors a replica makes pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import kvserve
+from kvserve.router.policies import make_policy
+from kvserve.router.policy import Policy
+from kvserve.router.proxy import Proxy, RouterMetrics, error_body
+from kvserve.router.replicas import DEFAULT_HEALTH_INTERVAL, ReplicaSet
+
+logger = logging.getLogger(__name__)
+
+# No read timeout: a long generation is silent between tokens; a dead replica resets the connection.
+CLIENT_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None)
+
+
+@dataclass
+class Router:
+    replicas: ReplicaSet
+    policy: Policy
+    proxy: Proxy
+    metrics: RouterMetrics
+    client: httpx.AsyncClient
+
+    async def close(self) -> None:
+        await self.replicas.close()
+        await self.client.aclose()
+
+
+async def start_router(urls: list[str], policy: str = "kv_aware", health_interval: float = DEFAULT_HEALTH_INTERVAL,
+                       tokenizer: str | None = None, api_key: str | None = None,
+                       pids: dict[str, int] | None = None, policy_options: dict[str, Any] | None = None) -> Router:
+    """Probe the replicas (ValueError if they cannot be routed over together), load the
+    tokenizer the policy needs, start the health checks."""
+    pol = make_policy(policy, **(policy_options or {}))
+    client = httpx.AsyncClient(timeout=CLIENT_TIMEOUT, limits=httpx.Limits(max_connections=None,
+                                                                          max_keepalive_connections=64))
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    replicas = ReplicaSet(urls, pol, client, health_interval, headers, pids)
+    metrics = RouterMetrics()
+    router = Router(replicas, pol, Proxy(replicas, pol, client, metrics), metrics, client)
+    try:
+        await replicas.start()
+        router.proxy.tokenizer = await _load_tokenizer(tokenizer, replicas, pol)
+    except BaseException:
+        await router.close()
+        raise
+    return router
+
+
+async def _load_tokenizer(path: str | None, replicas: ReplicaSet, policy: Policy) -> Any:
+    """The replicas' tokenizer when the policy needs token ids or --tokenizer asks for exact
+    counts; otherwise None (prompt sizes are estimated from their text)."""
+    if path is None and not policy.needs_tokens:
+        return None
+    flag = "--tokenizer" if path is not None else f"--policy {policy.name}"
+    path = path or replicas.model_path()
+    if path is None:
+        raise ValueError(f"--policy {policy.name} needs the replicas' tokenizer but no replica reported its "
+                         "model path (none answered /kv_events or /v1/models); pass --tokenizer PATH")
+    from kvserve.models.loader import load_tokenizer  # imports torch-side modules: only when needed
+
+    try:
+        return await asyncio.to_thread(load_tokenizer, path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{flag}: cannot load the replicas' tokenizer from {path!r}: {e}; "
+                         "pass --tokenizer PATH with a local copy of the model or its tokenizer") from None
+
+
+def _error(status: int, message: str, type_: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, type_), status_code=status, headers=headers)
+
+
+def build_app(router: Router) -> FastAPI:
+    app = FastAPI(title="kvserve router", version=kvserve.__version__)
+    replicas, proxy = router.replicas, router.proxy
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("router: unhandled error")
+        return _error(500, f"router internal error: {type(exc).__name__}: {exc}", "internal_server_error")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy.handle("completion", "/v1/completions", await request.body(), request.headers)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await proxy.handle("chat", "/v1/chat/completions", await request.body(), request.headers)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        auth = {"authorization": a} if (a := request.headers.get("authorization")) else {}
+        for r in replicas.healthy():
+            try:
+                resp = await router.client.get(f"{r.url}/v1/models", headers=auth)
+            except httpx.TransportError:
+                replicas.check_soon(r)
+                continue
+            return Response(resp.content, status_code=resp.status_code,
+                            media_type=resp.headers.get("content-type"))
+        return _error(503, "no healthy replica to list the models", "service_unavailable", {"Retry-After": "1"})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        n = len(replicas.healthy())
+        if n == 0:
+            return _error(503, f"no healthy replica (of {len(replicas.replicas)})", "service_unavailable")
+        return JSONResponse({"status": "ok", "healthy_replicas": n, "replicas": len(replicas.replicas)})
+
+    @app.get("/replicas")
+    async def replica_list() -> dict:
+        """Each replica's health, load and KV-event state (kvserve extension)."""
+        return {"policy": router.policy.name, "replicas": replicas.describe()}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(replicas), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": kvserve.__version__}
+
+    return app
