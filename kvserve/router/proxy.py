@@ -119,12 +119,20 @@ def _content_text(content: Any) -> str:
 _MAX_CODE_POINT = 0x10FFFF
 
 
-def _ids_text(ids: list[Any]) -> str | None:
-    """Token ids as a string of one code point per token, so text policies (approx's radix tree)
-    match token-id prompts by their leading tokens too; None if these are not token ids."""
-    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _MAX_CODE_POINT for t in ids):
-        return None
-    return "".join(map(chr, ids))
+def _is_ids(p: Any) -> bool:
+    return isinstance(p, list) and bool(p) and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _MAX_CODE_POINT for t in p)
+
+
+def token_id_prompts(kind: str, body: dict[str, Any]) -> list[list[int]] | None:
+    """A completion's prompts when they are given as token ids (one list or a list of lists):
+    counted and hashed as they are, no tokenizer needed; None otherwise."""
+    prompt = body.get("prompt") if kind == "completion" else None
+    if _is_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(_is_ids(p) for p in prompt):
+        return prompt
+    return None
 
 
 def request_text(kind: str, body: dict[str, Any]) -> str:
@@ -135,11 +143,11 @@ def request_text(kind: str, body: dict[str, Any]) -> str:
         msgs = body.get("messages")
         return "".join(f"<|{m.get('role')}|>\n{_content_text(m.get('content'))}\n"
                        for m in (msgs if isinstance(msgs, list) else []) if isinstance(m, dict))
+    if ids := token_id_prompts(kind, body):
+        # one code point per token, so text policies (approx's radix tree) match token-id prompts
+        # by their leading tokens too; a batch goes where its first prompt goes
+        return "".join(map(chr, ids[0]))
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
-        prompt = prompt[0]  # a batch of token-id prompts goes where its first one goes
-    if isinstance(prompt, list) and (ids := _ids_text(prompt)) is not None:
-        return ids
     prompts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []
     return "\n".join(p for p in prompts if isinstance(p, str))
 
@@ -163,8 +171,8 @@ def build_route_request(kind: str, body: dict[str, Any], headers: Mapping[str, s
     req = RouteRequest(kind=kind, body=body, session_key=headers.get("x-session-id") or
                        (user if isinstance(user, str) and user else None),
                        cache_salt=salt if isinstance(salt, str) else None, text=request_text(kind, body))
-    ids = None
-    if tokenizer is not None:
+    ids = token_id_prompts(kind, body)
+    if ids is None and tokenizer is not None:
         try:
             with _TOKENIZER_LOCK:
                 ids = prompt_token_ids(kind, body, tokenizer)
@@ -174,8 +182,6 @@ def build_route_request(kind: str, body: dict[str, Any], headers: Mapping[str, s
         req.num_prompt_tokens = sum(len(p) for p in ids)
         # A batch of prompts goes to one replica: the first one's prefix stands for the batch.
         req.token_ids = ids[0] if needs_tokens else None
-    elif kind == "completion" and isinstance(body.get("prompt"), list) and _ids_text(body["prompt"]):
-        req.num_prompt_tokens = len(body["prompt"])  # token ids: counted, not estimated
     else:
         req.num_prompt_tokens = len(req.text) // 4  # ~4 characters per token in English BPE vocabularies
     return req
