@@ -18,13 +18,14 @@ import argparse
 import json
 import os
 import platform
-import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from kvserve.router.launch import stop_processes
 
 KV = [sys.executable, "-m", "kvserve.cli"]
 POLICIES = ["round_robin", "least_load", "session", "approx", "kv_aware"]
@@ -66,16 +67,6 @@ def start(cmd: list[str], log: Path, cores: list[int] | None = None) -> subproce
                             preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores is not None else None)
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def start_replicas(args: argparse.Namespace, out: Path) -> tuple[list[str], list[subprocess.Popen]]:
     cores = sorted(os.sched_getaffinity(0))
     urls, procs = [], []
@@ -112,7 +103,7 @@ def run_policy(policy: str, urls: list[str], args: argparse.Namespace, out: Path
         subprocess.run(cmd, check=True, stdout=(out / f"bench-{policy}.txt").open("w"), stderr=subprocess.STDOUT)
         return json.loads(result.read_text())
     finally:
-        stop(router)
+        stop_processes([router], 30)
 
 
 def table(results: dict[str, dict]) -> str:
@@ -157,8 +148,7 @@ def main() -> int:
     try:
         results = {policy: run_policy(policy, urls, args, out) for policy in args.policies}
     finally:
-        for proc in procs:
-            stop(proc)
+        stop_processes(procs, 30)
     print(f"\n{cpu_model()}; {args.replicas} replicas of the default model, {args.kv_blocks} KV blocks each; "
           f"{args.sessions} sessions of {args.tenants} tenants ({args.system_prompt_len}-token system prompts), "
           f"{args.turns} turns, {args.output_len} output tokens, {args.concurrency} sessions in flight\n")

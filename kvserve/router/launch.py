@@ -169,18 +169,22 @@ class ReplicaLauncher:
                 time.sleep(0.25)
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
-        """SIGTERM every replica, SIGKILL what is left after `timeout`."""
-        live = [r.proc for r in self.replicas if r.proc.poll() is None]
-        for p in live:
-            with contextlib.suppress(ProcessLookupError):
-                p.terminate()
-        deadline = time.monotonic() + timeout
-        for p in live:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+        stop_processes([r.proc for r in self.replicas], timeout)
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout: float = STOP_TIMEOUT) -> None:
+    """SIGTERM them all at once (each takes seconds to shut down), SIGKILL what is left after `timeout`."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        with contextlib.suppress(ProcessLookupError):
+            p.terminate()
+    deadline = time.monotonic() + timeout
+    for p in live:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
 
 
 # ---- the command ----------------------------------------------------------------------------

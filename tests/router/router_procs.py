@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from kvserve.router.launch import stop_processes
 from tests.serving import free_port, http_request
 
 REPLICA_ARGS = ["--num-kv-blocks", "64", "--max-model-len", "1024"]
@@ -90,17 +91,7 @@ class Router:
 
 
 def stop_all(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
-    """SIGTERM them all at once (each takes seconds to shut down), SIGKILL what is left."""
-    live = [p for p in procs if p.poll() is None]
-    for p in live:
-        p.terminate()
-    deadline = time.monotonic() + timeout
-    for p in live:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
+    stop_processes(procs, timeout)
 
 
 def spawn_router(args: list[str], log: Path) -> Router:
