@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from kvserve.config import KVEventsConfig
 from kvserve.core.kv_events import KVEventSubscriber
 from kvserve.router.policy import Policy, ReplicaView
 
@@ -82,12 +83,6 @@ def events_address(addr: str, replica_url: str) -> str:
         host = urlsplit(replica_url).hostname or "127.0.0.1"
         host = f"[{host}]" if ":" in host else host
     return f"tcp://{host}:{port}"
-
-
-def _next_port(addr: str) -> str:
-    """The replay endpoint a replica uses when it was given none (KVEventsConfig.replay)."""
-    host, _, port = addr.rpartition(":")
-    return f"{host}:{int(port) + 1}"
 
 
 class ReplicaSet:
@@ -243,7 +238,8 @@ class ReplicaSet:
         if not info.get("enabled") or not info.get("endpoint"):
             endpoints = None
         else:
-            replay = info.get("replay_endpoint") or _next_port(info["endpoint"])
+            # a replica that names no replay endpoint uses the engine's default (KVEventsConfig.replay)
+            replay = info.get("replay_endpoint") or KVEventsConfig(endpoint=info["endpoint"]).replay
             endpoints = (events_address(info["endpoint"], r.url), events_address(replay, r.url))
         if old is not None and endpoints == (old.endpoint, old.replay_endpoint):
             return
