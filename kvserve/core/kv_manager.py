@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from kvserve.core.block_pool import BlockPool
 from kvserve.core.kv_connector import KVConnector
-from kvserve.core.kv_events import KVEventSink
 from kvserve.core.prefix_cache import HashPrefixCache, PrefixCache, max_cached_blocks
 from kvserve.core.radix_cache import RadixPrefixCache
 from kvserve.request import Request
+
+if TYPE_CHECKING:  # the sink's module brings zmq; the bookkeeping only calls its methods
+    from kvserve.core.kv_events import KVEventSink
 
 PREFIX_CACHES: dict[str, type[PrefixCache]] = {
     "hash": HashPrefixCache,

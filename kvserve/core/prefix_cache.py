@@ -19,11 +19,14 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvserve.core.block_pool import BlockPool
 from kvserve.core.kv_connector import DEVICE_TIER, EvictedBlock
-from kvserve.core.kv_events import KVEventSink
 from kvserve.request import Request
+
+if TYPE_CHECKING:  # the sink's module brings zmq; the bookkeeping only calls its methods
+    from kvserve.core.kv_events import KVEventSink
 
 _HASH_DOMAIN = b"kvserve.block.v1"
 
