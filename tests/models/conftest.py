@@ -132,6 +132,20 @@ def add_gguf_tokenizer(w, tokenizer) -> None:
     w.add_chat_template(CHAT_TEMPLATE)
 
 
+def add_gguf_llama_header(w, cfg, feed_forward_length: int) -> None:
+    """The llama-architecture hyperparameters llama.cpp's converter writes, from an HF config."""
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(feed_forward_length)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_vocab_size(cfg.vocab_size)
+
+
 @pytest.fixture
 def write_llama_gguf(tiny_tokenizer) -> Callable:
     """write_llama_gguf(hf_llama_model, path, qtypes: {gguf suffix: GGMLQuantizationType}) -> path.
@@ -148,16 +162,7 @@ def write_llama_gguf(tiny_tokenizer) -> Callable:
         """raw: GGUF tensor name -> already-quantized bytes, written instead of the HF weight."""
         cfg = hf.config
         w = gguf.GGUFWriter(str(path), "llama")
-        w.add_block_count(cfg.num_hidden_layers)
-        w.add_context_length(cfg.max_position_embeddings)
-        w.add_embedding_length(cfg.hidden_size)
-        w.add_feed_forward_length(cfg.intermediate_size)
-        w.add_head_count(cfg.num_attention_heads)
-        w.add_head_count_kv(cfg.num_key_value_heads)
-        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-        w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-        w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-        w.add_vocab_size(cfg.vocab_size)
+        add_gguf_llama_header(w, cfg, cfg.intermediate_size)
         add_gguf_tokenizer(w, tiny_tokenizer)
         for name, t in hf.state_dict().items():
             arr = t.float().numpy()

@@ -16,7 +16,7 @@ import torch
 
 from kvserve.models import load_model
 from kvserve.models.loader import open_checkpoint
-from tests.models.conftest import _permute, add_gguf_tokenizer, randomize_
+from tests.models.conftest import _permute, add_gguf_llama_header, add_gguf_tokenizer, randomize_
 
 Q = gguf.GGMLQuantizationType
 E, I, LAYERS = 4, 64, 2
@@ -64,16 +64,7 @@ def _write(hf, tokenizer, path: Path, qtypes: dict[str, Q], per_expert: bool = F
     """A Mixtral GGUF; per_expert: the older layout, one `ffn_gate.E` tensor per expert."""
     cfg = hf.config
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(4 * cfg.hidden_size)  # llama.cpp writes the dense width: must not be used
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    w.add_vocab_size(cfg.vocab_size)
+    add_gguf_llama_header(w, cfg, 4 * cfg.hidden_size)  # llama.cpp writes the dense width: must not be used
     w.add_expert_count(cfg.num_local_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     add_gguf_tokenizer(w, tokenizer)
