@@ -5,24 +5,19 @@ the pages and copy it into a matmul-friendly layout: three passes over memory
 for a few flops per byte. This kernel reads K/V in place from the pages, once,
 from float32, bfloat16 or float8 e4m3 caches (an fp8 cache is converted in
 registers: half the bytes of bf16 to read).
-It is loaded with ctypes (no torch headers, so it builds in about a second);
+It is built per ISA level (worker/kernels: build.py, cpu.py) and loaded with ctypes;
 when no C compiler is available the torch path is used instead.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import math
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
+
+from kvserve.worker.kernels import build, cpu
 
 logger = logging.getLogger(__name__)
 
@@ -215,71 +210,27 @@ void dequant_blocks(const uint8_t *cache, const int64_t *ids, int64_t n, int64_t
 }
 """
 
-# fast-math lets expf and the reductions vectorize; -inf still has to mean -inf.
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffast-math", "-fno-finite-math-only",
-          "-fPIC"]
-# Linked in a separate step without -ffast-math: a -ffast-math link adds crtfastmath.o,
-# whose constructor turns on flush-to-zero for the whole process that loads the library.
-_LINK_FLAGS = ["-shared", "-fopenmp"]
+_i64, _vp, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "paged_decode": [_vp, _vp, _vp, _vp, _vp, _i64, _vp, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _int, _int,
+                     _int],
+    "dequant_blocks": [_vp, _vp, _i64, _i64, _f32, _vp, _int, _int],
+    "write_fp8": [_vp, _int, _i64, _vp, _i64, _i64, _f32, _vp],
+}
+
+
 _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(Path.home(), ".cache", "kvserve")
-    return Path(root) / "kernels"
-
-
-def _cpu_id() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
-
-
-def _build() -> ctypes.CDLL | None:
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        return None
-    key = hashlib.sha256("\0".join([_SOURCE, cc, *_FLAGS, *_LINK_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
-    lib_path = _cache_dir() / f"paged_decode_{key}.so"
-    if not lib_path.exists():
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            src = Path(tmp) / "paged_decode.c"
-            src.write_text(_SOURCE)
-            obj, tmp_lib = Path(tmp) / "paged_decode.o", Path(tmp) / "paged_decode.so"
-            subprocess.run([cc, *_FLAGS, "-c", str(src), "-o", str(obj)], check=True, capture_output=True,
-                           timeout=120)
-            subprocess.run([cc, *_LINK_FLAGS, str(obj), "-o", str(tmp_lib), "-lm"], check=True,
-                           capture_output=True, timeout=120)
-            os.replace(tmp_lib, lib_path)  # atomic: concurrent builders never see half a file
-    lib = ctypes.CDLL(str(lib_path))
-    lib.paged_decode.restype = None
-    i64, vp = ctypes.c_int64, ctypes.c_void_p
-    f32, c_int = ctypes.c_float, ctypes.c_int
-    lib.paged_decode.argtypes = [vp, vp, vp, vp, vp, i64, vp, i64, i64, i64, i64, i64, i64, f32, f32, c_int, c_int,
-                                 c_int]
-    lib.dequant_blocks.restype = None
-    lib.dequant_blocks.argtypes = [vp, vp, i64, i64, f32, vp, c_int, c_int]
-    lib.write_fp8.restype = None
-    lib.write_fp8.argtypes = [vp, c_int, i64, vp, i64, i64, f32, vp]
-    return lib
-
-
 def load_kernel() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (no compiler, build failure, or KVSERVE_NO_C_KERNEL=1)."""
+    """The compiled kernel (wide vectors on AVX-512), or None (no compiler, build failure, or
+    KVSERVE_NO_C_KERNEL=1)."""
     global _lib, _tried
-    if not _tried:
+    if not _tried:  # called on every decode step: decide once
         _tried = True
-        if os.environ.get("KVSERVE_NO_C_KERNEL") == "1":
-            return None
-        try:
-            _lib = _build()
-        except (OSError, subprocess.SubprocessError) as e:
-            logger.warning("paged decode kernel unavailable, using torch ops: %s", e)
-            _lib = None
+        wide = ("-mprefer-vector-width=512",) if cpu.isa_level().startswith("avx512") else ()
+        _lib = build.load_library("paged_decode", _SOURCE, _SIGNATURES, wide)
     return _lib
 
 

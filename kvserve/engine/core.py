@@ -59,7 +59,7 @@ class EngineCore:
         self.cache_config = cache_config
         self.hf_config = ckpt.config
         self.tokenizer = ckpt.tokenizer()
-        self.dtype = resolve_dtype(model_config.dtype, device)
+        self.dtype = resolve_dtype(model_config.dtype, device, ckpt.config)
         self.model_path = str(ckpt.path.resolve())
         self.max_model_len = self._max_model_len(model_config.max_model_len)
         self.vocab_size = self.hf_config.vocab_size
@@ -72,7 +72,10 @@ class EngineCore:
         num_blocks = self._num_blocks(cache_config)
         calibration = self._kv_calibration_ids() if cache_config.kv_cache_dtype == "fp8" else None
         self.eos_token_id = self._eos_token_id()
-        self.executor = Executor.create(config, num_blocks, calibration, self.eos_token_id)
+        # Ranks load in the dtype resolved here: auto is measured once, not once per rank.
+        resolved = dataclasses.replace(model_config, dtype=str(self.dtype).removeprefix("torch."))
+        self.executor = Executor.create(dataclasses.replace(config, model=resolved), num_blocks, calibration,
+                                        self.eos_token_id)
         info = self.executor.collective_rpc("model_info")
         self.quantization = info[0]["quantization"]
         self.weight_bytes = sum(i["weight_bytes"] for i in info)  # every rank's shard

@@ -162,6 +162,7 @@ class VocabParallelEmbedding(nn.Module):
         self.per_rank = -(-vocab_size // tp.size)
         self.start = tp.rank * self.per_rank
         self.weight = nn.Parameter(torch.empty(self.per_rank, hidden))
+        self.kernel: nn.Module | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         if loaded.shape[0] != self.vocab_size or loaded.shape[1:] != param.shape[1:]:
@@ -170,7 +171,19 @@ class VocabParallelEmbedding(nn.Module):
         param.data.zero_()
         param.data[:rows.shape[0]].copy_(rows)
 
+    def set_kernel(self, kernel: nn.Module) -> None:
+        """Keep the table compressed in `kernel` (a quantized linear over [vocab, hidden], one rank):
+        lookups dequantize their rows, the LM head runs the kernel's matmul."""
+        if self.tp.size != 1:
+            raise ValueError("a compressed vocabulary table needs tensor_parallel_size 1")
+        if "weight" in self._parameters:
+            del self._parameters["weight"]
+            self.weight = None
+        self.kernel = kernel
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel.rows(ids).to(self.kernel.dtype)
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start
@@ -184,6 +197,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection over the same vocabulary split; logits are gathered whole."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(hidden)
         logits = F.linear(hidden, self.weight)
         if self.tp.size > 1:
             logits = self.tp.all_gather(logits, dim=-1)[:, :self.vocab_size]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvserve.worker.kernels import ops
+
 
 class RMSNorm(nn.Module):
     """Normalizes in float32 and multiplies by the weight in the input dtype, as HF Llama does."""
@@ -24,6 +26,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if ops.usable(x, self.weight) and (residual is None or residual.dtype == torch.float32):
+            return ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

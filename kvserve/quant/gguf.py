@@ -80,3 +80,34 @@ class GGUFMethod(QuantMethod):
 
     def convert(self, prefix: str, tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
         return repack(tensors["ggml_blocks"], int(tensors["ggml_type"]), prefix)
+
+
+def keep_vocab_compressed(net: torch.nn.Module, reader, dtype: torch.dtype, device: torch.device | str) -> list[str]:
+    """Keep a GGUF's token_embd (and output, if untied) in their quantized blocks instead of a dense
+    table: the LM head, read in full every decode step, runs the blocks kernel (a Q8_0 table is a
+    quarter of float32's bytes), and embedding lookups dequantize their rows. Only where the blocks
+    kernel runs and the table is whole on this rank. Returns the GGUF tensors kept."""
+    import numpy as np
+
+    from kvserve.quant.linear import quantized_linear
+    from kvserve.worker.kernels import qmatmul
+
+    embed = getattr(getattr(net, "model", None), "embed_tokens", None)
+    head = getattr(net, "lm_head", None)
+    found = {t.name: t for t in reader.tensors if t.name in ("token_embd.weight", "output.weight")}
+    head_src = "output.weight" if "output.weight" in found else "token_embd.weight"
+    if head_src == "token_embd.weight" and not getattr(net, "tie_word_embeddings", True):
+        head = None
+    kept: dict[str, torch.nn.Module] = {}
+    for module, name in ((embed, "token_embd.weight"), (head, head_src)):
+        t = found.get(name)
+        if module is None or t is None or module.tp.size != 1 or int(t.tensor_type) not in REPACKABLE:
+            continue
+        if name not in kept:
+            qw = repack(torch.from_numpy(np.array(np.asarray(t.data))), int(t.tensor_type), name)
+            if qw.shape[0] != module.vocab_size or not qmatmul.supports(qw.shape[1], qw.group_size,
+                                                                       torch.device(device)):
+                continue
+            kept[name] = quantized_linear(qw, None, dtype, device)
+        module.set_kernel(kept[name])
+    return sorted(kept)

@@ -35,6 +35,7 @@ from torch import nn
 
 from kvserve.attention.backend import FP8_MAX, saturate_fp8
 from kvserve.quant.base import Fp8Weight, QuantizedWeight
+from kvserve.worker.kernels import qmatmul, tuning
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +143,17 @@ class _GroupCodes(_QuantLinear):
     def _init_codes(self, qw: QuantizedWeight, planes: int, device: torch.device) -> None:
         out, n_in = qw.shape
         self.planes = planes
+        if qmatmul.supports(n_in, qw.group_size, device):
+            self.path = "blocks"
+            self.bits = qw.bits
+            self.group = 32
+            blocks = qmatmul.Blocks.from_codes(qw.q, qw.scale, qw.offset, qw.bits)
+            self.register_buffer("codes", blocks.codes.to(device))
+            self.register_buffer("d", blocks.d.to(device))
+            self.register_buffer("c", blocks.c.to(device))
+            # set by kvserve.worker.kernels.tuning from measurements; these are the untuned defaults
+            self.activations, self.dense_from = "float32", tuning.DEFAULT_DENSE_FROM
+            return
         self.group = _kernel_group(qw.group_size, out, device)
         q = qw.q.to(torch.int32)
         if self.group is None:
@@ -197,7 +209,27 @@ class _GroupCodes(_QuantLinear):
         w = codes.view(self.out_features, groups, self.group).float() * self.scale[..., None] + self.offset[..., None]
         return w.view(self.out_features, self.in_features).to(dtype)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W (stored column order) in float32: an embedding lookup in a compressed table."""
+        if self.path == "blocks":
+            ids = ids.reshape(-1)
+            return qmatmul.reference(qmatmul.Blocks(self.codes.index_select(0, ids), self.d.index_select(0, ids),
+                                                    self.c.index_select(0, ids), self.bits))
+        return self._stored_weight().index_select(0, ids.reshape(-1))
+
+    def blocks(self) -> qmatmul.Blocks:
+        """Blocks path: the weight as qmatmul reads it (built once; again if the buffers were moved)."""
+        b = self.__dict__.get("_blocks")
+        codes = self._buffers["codes"]
+        if b is None or b.codes is not codes:
+            b = self.__dict__["_blocks"] = qmatmul.Blocks(codes, self._buffers["d"], self._buffers["c"], self.bits)
+        return b
+
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.path == "blocks":
+            if x.shape[0] >= self.dense_from:
+                return F.linear(x, qmatmul.dequantize(self.blocks()).to(x.dtype))
+            return qmatmul.matmul(x.float(), self.blocks(), self.activations).to(x.dtype)
         if self.path == "dequantize":
             return F.linear(x, self._compact_weight(x.dtype))
         if x.shape[0] >= (INT4_DEQUANT_MIN_TOKENS if self.planes == 1 else INT8_PLANES_DEQUANT_MIN_TOKENS):
@@ -206,6 +238,8 @@ class _GroupCodes(_QuantLinear):
         return torch._weight_int4pack_mm_for_cpu(xk, self.packed, self.group, self.scales_zeros)
 
     def _stored_weight(self) -> torch.Tensor:
+        if self.path == "blocks":
+            return qmatmul.reference(self.blocks())
         if self.path == "dequantize":
             return self._compact_weight(torch.float32)
         return self._weight_t(torch.float32).t().contiguous()
@@ -236,7 +270,7 @@ class Int8Linear(_GroupCodes):
         out, n_in = qw.shape
         super().__init__(out, n_in, qw.perm, bias, dtype, device)
         self.per_channel = qw.group_size == n_in
-        if not self.per_channel:
+        if not self.per_channel or qmatmul.supports(n_in, qw.group_size, device):
             self._init_codes(qw, 2, device)
             return
         self.path = "int8 kernel" if device.type == "cpu" else "dequantize"
@@ -247,7 +281,7 @@ class Int8Linear(_GroupCodes):
         self.register_buffer("shift", None if qw.symmetric else shift.to(device=device, dtype=dtype))
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.per_channel:
+        if not self.per_channel or self.path == "blocks":
             return super()._matmul(x)
         if self.path == "int8 kernel" and x.shape[0] < INT8_DEQUANT_MIN_TOKENS:
             y = torch._weight_int8pack_mm(x, self.weight_int8, self.weight_scale)
@@ -258,7 +292,7 @@ class Int8Linear(_GroupCodes):
         return y
 
     def _stored_weight(self) -> torch.Tensor:
-        if not self.per_channel:
+        if not self.per_channel or self.path == "blocks":
             return super()._stored_weight()
         w = self.weight_int8.float() * self.weight_scale.float()[:, None]
         return w if self.shift is None else w + self.shift.float()[:, None]

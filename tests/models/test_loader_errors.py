@@ -151,12 +151,14 @@ def test_resolve_dtype(monkeypatch):
     assert resolve_dtype("auto", device="cuda") == torch.bfloat16
     with pytest.raises(ValueError, match="'float64'"):
         resolve_dtype("float64")
-    from kvserve.models import loader
+    from kvserve.worker.kernels import tuning
 
-    monkeypatch.setattr(loader, "_cpu_has_fast_bf16", lambda: False)
-    assert resolve_dtype("auto") == torch.float32
-    monkeypatch.setattr(loader, "_cpu_has_fast_bf16", lambda: True)
-    assert resolve_dtype("auto") == torch.bfloat16
+    seen = []
+    monkeypatch.setattr(tuning, "choose_dtype", lambda h, i: seen.append((h, i)) or torch.float16)
+    assert resolve_dtype("auto") == torch.float16  # on a CPU, auto is what tuning measured
+    cfg = type("Cfg", (), {"hidden_size": 64, "intermediate_size": 256})()
+    resolve_dtype("auto", hf_config=cfg)
+    assert seen == [(1024, 4096), (64, 256)]
 
 
 def test_default_model_path_missing_package(monkeypatch):

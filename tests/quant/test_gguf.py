@@ -79,13 +79,13 @@ def test_gguf_logits_equal_dequantized_model(make_hf_checkpoint, write_llama_ggu
     layer = packed.model.model.layers[1]
     assert kernel_type(layer.self_attn.qkv_proj) is Int4Linear and kernel_type(layer.self_attn.o_proj) is Int4Linear
     assert kernel_type(layer.mlp.gate_up_proj) is Int8Linear and kernel_type(layer.mlp.down_proj) is Int8Linear
-    assert layer.mlp.down_proj.kernel.path == "int4 kernel"  # Q8_0: two 4-bit planes
+    assert layer.mlp.down_proj.kernel.path == "blocks"  # Q8_0 read in place by the C kernel
     diff = (_logits(packed) - _logits(plain)).abs().max().item()
     print(f"tiny GGUF: max |logit diff| gguf vs none (float32) {diff:.2e}")
     assert diff < 1e-4
     linear_bytes = [sum(weight_bytes(m) for layer in lm.model.model.layers for m in (layer.self_attn, layer.mlp))
                     for lm in (packed, plain)]
-    # float32 scales: 4-bit 0.75 B / weight, 8-bit (two planes) 1.5 B / weight; here a third are 4-bit
+    # float32 scale and offset per 32: 4-bit 0.75 B / weight, 8-bit 1.25 B / weight; here a third are 4-bit
     assert linear_bytes[0] < 0.35 * linear_bytes[1]
 
 
@@ -147,6 +147,10 @@ def test_default_model_gguf_greedy_tokens_and_memory():
     resident = outs["gguf"][1]
     print(f"default model: file {size / 1e6:.1f} MB, resident gguf {resident / 1e6:.1f} MB "
           f"({resident / size:.2f}x), none {outs['none'][1] / 1e6:.1f} MB; tokens {outs['gguf'][0]}")
-    assert kernel_type(outs["gguf"][2].model.model.layers[0].mlp.gate_up_proj) is Int4Linear
+    gguf_model = outs["gguf"][2].model
+    assert kernel_type(gguf_model.model.layers[0].mlp.gate_up_proj) is Int4Linear
+    # the tied Q8_0 token table stays in its blocks: the LM head's matmul and the lookups read them
+    assert gguf_model.lm_head.kernel is gguf_model.model.embed_tokens.kernel is not None
+    assert gguf_model.lm_head.kernel.path == "blocks" and gguf_model.lm_head.weight is None
     assert outs["gguf"][0] == outs["none"][0]
     assert resident < 1.3 * size

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kvserve.quant.linear as linear_mod
 from kvserve.quant.base import QuantizedWeight, quantize_fp8, quantize_rtn
 from kvserve.quant.linear import (
     INT4_DEQUANT_MIN_TOKENS,
@@ -21,8 +22,15 @@ from kvserve.quant.linear import (
 )
 
 N_IN, N_OUT = 128, 96
-# 1-D, 3-D, and 2-D inputs long enough for the dequantize-and-matmul paths
+# 1-D, 3-D (6 rows: a full tile of 4 and a partial one), and 2-D inputs long enough for the
+# dequantize-and-matmul paths
 SHAPES = [(N_IN,), (2, 3, N_IN), (INT8_DEQUANT_MIN_TOKENS + 1, N_IN), (INT4_DEQUANT_MIN_TOKENS + 4, N_IN)]
+
+
+@pytest.fixture
+def torch_kernels(monkeypatch):
+    """Build modules as on a machine without the C blocks kernel: torch's int4 / int8 kernels."""
+    monkeypatch.setattr(linear_mod.qmatmul, "supports", lambda *a: False)
 
 
 def _weight(kind: str, group: int | None, seed: int = 0, n_out: int = N_OUT, n_in: int = N_IN, perm: bool = True):
@@ -52,17 +60,25 @@ CASES = [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 32), ("int8", 64), 
          ("fp8", None)]
 
 
+@pytest.mark.parametrize("kernels", ["blocks", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind,group", CASES)
-def test_kernel_matches_dequantized_weight(kind, group, dtype):
+def test_kernel_matches_dequantized_weight(kind, group, dtype, kernels, request):
+    if kernels == "torch":
+        request.getfixturevalue("torch_kernels")
     weight = _weight(kind, group, perm=kind != "fp8")
     bias = torch.randn(N_OUT) * 0.1
     module = quantized_linear(weight, bias, dtype)
     expected = {"int4": Int4Linear, "int8": Int8Linear, "int8-sym": Int8Linear, "fp8": Fp8Linear}[kind]
     assert type(module) is expected
-    assert module.path in ("int4 kernel", "int8 kernel", "bf16 via bit shift")
+    paths = ("blocks",) if kernels == "blocks" and kind != "fp8" else ("int4 kernel", "int8 kernel", "bf16 via bit shift")
+    assert module.path in paths
     for shape in SHAPES:
         _check(module, weight, dtype, shape, bias)
+    if module.path == "blocks":  # the blocks kernel at every size, not just below dense_from
+        module.dense_from = 1 << 30
+        for shape in SHAPES:
+            _check(module, weight, dtype, shape, bias)
     # the weight the module applies, perm undone
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(module.dequantize(), weight.dequantize(torch.float32), rtol=tol, atol=tol * 0.05)
@@ -70,7 +86,7 @@ def test_kernel_matches_dequantized_weight(kind, group, dtype):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n_out,group", [(40, 32), (96, 16)])
-def test_shapes_the_int4_kernel_rejects_dequantize_per_call(bits, n_out, group):
+def test_shapes_the_int4_kernel_rejects_dequantize_per_call(bits, n_out, group, torch_kernels):
     """out % 16 != 0 or group 16: compact storage dequantized per call, same result."""
     weight = _weight("int4" if bits == 4 else "int8", group, n_out=n_out)
     module = quantized_linear(weight, None, torch.float32)
@@ -81,11 +97,27 @@ def test_shapes_the_int4_kernel_rejects_dequantize_per_call(bits, n_out, group):
         _check(module, weight, torch.float32, shape, None)
 
 
-def test_int4_storage_stays_compressed():
+def test_int4_storage_stays_compressed(torch_kernels):
     weight = _weight("int4", 32, perm=False)
     module = Int4Linear(weight, None, torch.bfloat16)
     nbytes = sum(b.numel() * b.element_size() for b in module.buffers())
     assert nbytes == N_OUT * N_IN // 2 + (N_IN // 32) * N_OUT * 2 * 2  # codes + bf16 scale/zero per group
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_blocks_storage_and_int8_activations(bits):
+    """Blocks: codes (4-bit: two per byte) and a float32 scale and offset per 32 weights; with int8
+    activations the error is that of rounding each 32-value block of x to 8 bits."""
+    weight = _weight("int4" if bits == 4 else "int8", 64, perm=False)
+    module = quantized_linear(weight, None, torch.float32)
+    assert module.path == "blocks"
+    nbytes = sum(b.numel() * b.element_size() for b in module.buffers())
+    assert nbytes == N_OUT * N_IN * bits // 8 + N_OUT * (N_IN // 32) * 4 * 2
+    module.activations = "int8"
+    x = torch.randn(6, N_IN, generator=torch.Generator().manual_seed(1))
+    ref = F.linear(x, weight.dequantize())
+    rel = float((module(x) - ref).norm() / ref.norm())
+    assert 0 < rel < 0.02, rel
 
 
 def test_int4_layout_is_detected_and_decodes_every_tail():
@@ -123,7 +155,7 @@ def test_scaled_mm_path_matches_dequantized_weight_within_fp8_activation_error()
         assert 0 < rel < 0.03, rel  # > 0: the activations really were quantized
 
 
-def test_asymmetric_per_channel_int8_uses_a_rank_one_correction():
+def test_asymmetric_per_channel_int8_uses_a_rank_one_correction(torch_kernels):
     weight = _weight("int8", None, perm=False)
     module = Int8Linear(weight, None, torch.float32)
     assert not weight.symmetric and module.shift is not None

@@ -1,0 +1,376 @@
+"""Matmuls that read 4- and 8-bit weights in place: y = x @ W.T with W in blocks of 32 weights.
+
+Layout (`Blocks`), one per weight [N, K], K a multiple of 32:
+  codes  4-bit: uint8 [N, K/2]; in each 32-weight block byte j holds weight j (low nibble) and
+         weight j+16 (high nibble), GGUF's Q4_0/Q4_1 order.  8-bit: int8 [N, K], signed codes.
+  d, c   float32 [N, K/32]: weight = code * d + c with signed codes: a nibble minus 8 (-8..7),
+         or the int8 (-128..127). Centred codes halve the error of int8 activations against
+         unsigned ones (each rounding error of x is weighted by the code).
+Every GGUF Q4_0/Q4_1/Q8_0/Q4_K block and our int4/int8 group layouts (group sizes that are
+multiples of 32, per-channel included) map onto it exactly.
+
+Two ways to multiply, both in C with one AVX2 body (VNNI dot products where the ISA level has
+them, AVX-512VL+VNNI or AVX-VNNI) and a plain C body elsewhere:
+  float activations ("float32"): codes become floats in registers; exact up to summation order.
+  int8 activations ("int8"): each token's 32-value block becomes int8 codes and a scale, as
+    llama.cpp's Q8 dot products do; the weight offset uses the block's exact float sum.
+    4-5x fewer instructions per weight; what it costs in perplexity is in BENCHMARKS.md.
+`dequantize` writes W as float32 for the dense path (prefill-sized batches).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.worker.kernels import build
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define TILE 4
+/* The signed codes of block b of a row: nibbles minus 8, or the int8 codes. */
+static inline void codes_of(const uint8_t *wr, int64_t b, int bits, int8_t *out) {
+    if (bits == 4) {
+        for (int j = 0; j < 16; ++j) {
+            out[j] = (int8_t)((wr[b * 16 + j] & 15) - 8);
+            out[j + 16] = (int8_t)((wr[b * 16 + j] >> 4) - 8);
+        }
+    } else {
+        memcpy(out, wr + b * 32, 32);
+    }
+}  /* tokens per pass over a weight row: its blocks are decoded once per TILE tokens */
+
+/* Per token and 32-value block: int8 codes, scale xd = amax / 127, the exact float sum xs, and
+   xk = -8 xd sum(codes): what centring 4-bit codes (nibble - 8) subtracts, so the kernel can
+   multiply the nibbles as they are (unsigned, as maddubs takes them) in the same integer math. */
+void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs,
+                  float *xk, int nthreads) {
+    const int64_t nb = K / 32;
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
+    for (int64_t i = 0; i < M * nb; ++i) {
+        const int64_t m = i / nb, b = i % nb;
+        const float *src = x + m * ldx + b * 32;
+        float amax = 0.f, sum = 0.f;
+        for (int j = 0; j < 32; ++j) { const float a = fabsf(src[j]); amax = a > amax ? a : amax; sum += src[j]; }
+        const float d = amax / 127.f, id = d > 0.f ? 127.f / amax : 0.f;
+        int8_t *dst = xq + m * K + b * 32;
+        int32_t isum = 0;
+        for (int j = 0; j < 32; ++j) {
+            const float v = src[j] * id;
+            dst[j] = (int8_t)(int)(v + (v >= 0.f ? .5f : -.5f));
+            isum += dst[j];
+        }
+        xd[i] = d;
+        xs[i] = sum;
+        xk[i] = -8.f * d * (float)isum;
+    }
+}
+
+/* Sum of 32 floats' block: per token, per row. */
+void block_sums(const float *x, int64_t ldx, int64_t M, int64_t K, float *xs) {
+    const int64_t nb = K / 32;
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t b = 0; b < nb; ++b) {
+            float s = 0.f;
+            for (int j = 0; j < 32; ++j) s += x[m * ldx + b * 32 + j];
+            xs[m * nb + b] = s;
+        }
+}
+
+#if defined(__AVX2__)
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline void mul_f32(const float *a, const float *b, float *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+    for (; i < n; ++i) out[i] = a[i] * b[i];
+}
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum8(acc);
+    for (; i < n; ++i) s += a[i] * b[i];
+    return s;
+}
+/* 16 bytes of a 4-bit block -> its 32 codes in order: low nibbles are weights 0..15, high 16..31. */
+static inline __m256i unpack_q4(const uint8_t *p) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+}
+static inline __m256i load_codes(const uint8_t *wr, int64_t b, int bits) {
+    if (bits == 4) return _mm256_sub_epi8(unpack_q4(wr + b * 16), _mm256_set1_epi8(8));
+    return _mm256_loadu_si256((const __m256i *)(wr + b * 32));
+}
+/* 8 int32: each the sum of 4 adjacent u8 x s8 products (no product pair may exceed 32767). */
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+/* y[m, n] (row stride ldy) = sum_k x[m, k] w[n, k], x given as quantize_act's xq / xd / xs. */
+void qgemm_int8act(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t N, int64_t K,
+                   const int8_t *xq, const float *xd, const float *xs, const float *xk, int64_t M, float *y,
+                   int64_t ldy, int nthreads) {
+    const int64_t nb = K / 32, row_bytes = bits == 4 ? K / 2 : K;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+        const uint8_t *wr = wq + n * row_bytes;
+        const float *d = wd + n * nb, *c = wc + n * nb;
+        for (int64_t m0 = 0; m0 < M; m0 += TILE) {
+            const int mt = M - m0 < TILE ? (int)(M - m0) : TILE;
+            float cs[TILE] = {0.f, 0.f, 0.f, 0.f};
+#if defined(__AVX2__)
+            float sc[TILE * nb];  /* d[b] * xd[b] of each token: one broadcast per block below */
+            for (int t = 0; t < mt; ++t) mul_f32(d, xd + (m0 + t) * nb, sc + t * nb, nb);
+            __m256 acc[TILE];
+            for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
+            if (bits == 4) {  /* nibbles 0..15 (unsigned) x int8; the centring comes from xk */
+                for (int64_t b = 0; b < nb; ++b) {
+                    const __m256i u = unpack_q4(wr + b * 16);
+                    for (int t = 0; t < mt; ++t) {
+                        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (m0 + t) * K + b * 32));
+                        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, xv)), _mm256_broadcast_ss(sc + t * nb + b), acc[t]);
+                    }
+                }
+                for (int t = 0; t < mt; ++t) cs[t] = dot_f32(d, xk + (m0 + t) * nb, nb);
+            } else {
+                for (int64_t b = 0; b < nb; ++b) {
+                    const __m256i sgn = _mm256_loadu_si256((const __m256i *)(wr + b * 32)), u = _mm256_sign_epi8(sgn, sgn);
+                    for (int t = 0; t < mt; ++t) {
+                        /* the code's sign moved onto x: u8 x s8 products, as maddubs / dpbusd take them */
+                        const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + (m0 + t) * K + b * 32)), sgn);
+                        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, xv)), _mm256_broadcast_ss(sc + t * nb + b), acc[t]);
+                    }
+                }
+            }
+            for (int t = 0; t < mt; ++t) cs[t] += dot_f32(c, xs + (m0 + t) * nb, nb);
+            for (int t = 0; t < mt; ++t) y[(m0 + t) * ldy + n] = hsum8(acc[t]) + cs[t];
+#else
+            float acc[TILE] = {0.f, 0.f, 0.f, 0.f};
+            for (int64_t b = 0; b < nb; ++b) {
+                int8_t w[32];
+                codes_of(wr, b, bits, w);
+                for (int t = 0; t < mt; ++t) {
+                    const int64_t r = (m0 + t) * nb + b;
+                    const int8_t *xv = xq + (m0 + t) * K + b * 32;
+                    int32_t s = 0;
+                    for (int j = 0; j < 32; ++j) s += (int32_t)w[j] * (int32_t)xv[j];
+                    acc[t] += (float)s * d[b] * xd[r];
+                    cs[t] += c[b] * xs[r];
+                }
+            }
+            for (int t = 0; t < mt; ++t) y[(m0 + t) * ldy + n] = acc[t] + cs[t];
+#endif
+        }
+    }
+}
+
+/* The same with float activations x [M, K] (row stride ldx) and their block sums xs [M, K/32]. */
+void qgemm_floatact(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t N, int64_t K,
+                    const float *x, int64_t ldx, const float *xs, int64_t M, float *y, int64_t ldy, int nthreads) {
+    const int64_t nb = K / 32, row_bytes = bits == 4 ? K / 2 : K;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+        const uint8_t *wr = wq + n * row_bytes;
+        const float *d = wd + n * nb, *c = wc + n * nb;
+        for (int64_t m0 = 0; m0 < M; m0 += TILE) {
+            const int mt = M - m0 < TILE ? (int)(M - m0) : TILE;
+            float cs[TILE] = {0.f, 0.f, 0.f, 0.f};
+#if defined(__AVX2__)
+            __m256 acc[TILE];
+            for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; ++b) {
+                __m256 w[4];
+                const __m256i sgn = load_codes(wr, b, bits);
+                const __m128i lo = _mm256_castsi256_si128(sgn), hi = _mm256_extracti128_si256(sgn, 1);
+                w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+                w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+                w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+                w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+                const __m256 dv = _mm256_set1_ps(d[b]);
+                for (int t = 0; t < mt; ++t) {
+                    const float *xv = x + (m0 + t) * ldx + b * 32;
+                    __m256 p = _mm256_mul_ps(w[0], _mm256_loadu_ps(xv));
+                    p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xv + 8), p);
+                    p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xv + 16), p);
+                    p = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xv + 24), p);
+                    acc[t] = _mm256_fmadd_ps(p, dv, acc[t]);
+                }
+            }
+            for (int t = 0; t < mt; ++t) cs[t] = dot_f32(c, xs + (m0 + t) * nb, nb);
+            for (int t = 0; t < mt; ++t) y[(m0 + t) * ldy + n] = hsum8(acc[t]) + cs[t];
+#else
+            float acc[TILE] = {0.f, 0.f, 0.f, 0.f};
+            for (int64_t b = 0; b < nb; ++b) {
+                int8_t code[32];
+                float w[32];
+                codes_of(wr, b, bits, code);
+                for (int j = 0; j < 32; ++j) w[j] = code[j];
+                for (int t = 0; t < mt; ++t) {
+                    const float *xv = x + (m0 + t) * ldx + b * 32;
+                    float s = 0.f;
+                    for (int j = 0; j < 32; ++j) s += w[j] * xv[j];
+                    acc[t] += s * d[b];
+                    cs[t] += c[b] * xs[(m0 + t) * nb + b];
+                }
+            }
+            for (int t = 0; t < mt; ++t) y[(m0 + t) * ldy + n] = acc[t] + cs[t];
+#endif
+        }
+    }
+}
+
+/* y = x @ W.T for float32 x [M, K] (row stride ldx): int8act != 0 quantizes x per 32-value block
+   first (scratch from malloc), else multiplies float activations. */
+void qlinear(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t N, int64_t K,
+             const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy, int int8act, int nthreads) {
+    const int64_t nb = K / 32;
+    float *xs = malloc(sizeof(float) * M * nb * 3);
+    if (int8act) {
+        int8_t *xq = malloc((size_t)(M * K));
+        quantize_act(x, ldx, M, K, xq, xs + M * nb, xs, xs + 2 * M * nb, nthreads);
+        qgemm_int8act(bits, wq, wd, wc, N, K, xq, xs + M * nb, xs, xs + 2 * M * nb, M, y, ldy, nthreads);
+        free(xq);
+    } else {
+        block_sums(x, ldx, M, K, xs);
+        qgemm_floatact(bits, wq, wd, wc, N, K, x, ldx, xs, M, y, ldy, nthreads);
+    }
+    free(xs);
+}
+
+/* W [N, K] as float32. */
+void dequantize(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t N, int64_t K, float *w,
+                int nthreads) {
+    const int64_t nb = K / 32, row_bytes = bits == 4 ? K / 2 : K;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+        const uint8_t *wr = wq + n * row_bytes;
+        float *dst = w + n * K;
+        for (int64_t b = 0; b < nb; ++b) {
+            const float d = wd[n * nb + b], c = wc[n * nb + b];
+            float *o = dst + b * 32;
+            int8_t code[32];
+            codes_of(wr, b, bits, code);
+            for (int j = 0; j < 32; ++j) o[j] = (float)code[j] * d + c;
+        }
+    }
+}
+"""
+
+MODES = ("float32", "int8")  # activations: exact floats, or int8 codes per 32-value block
+_i64, _vp, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_SIGNATURES = {
+    "quantize_act": [_vp, _i64, _i64, _i64, _vp, _vp, _vp, _vp, _int],
+    "block_sums": [_vp, _i64, _i64, _i64, _vp],
+    "qgemm_int8act": [_int, _vp, _vp, _vp, _i64, _i64, _vp, _vp, _vp, _vp, _i64, _vp, _i64, _int],
+    "qgemm_floatact": [_int, _vp, _vp, _vp, _i64, _i64, _vp, _i64, _vp, _i64, _vp, _i64, _int],
+    "dequantize": [_int, _vp, _vp, _vp, _i64, _i64, _vp, _int],
+    "qlinear": [_int, _vp, _vp, _vp, _i64, _i64, _vp, _i64, _i64, _vp, _i64, _int, _int],
+}
+_lib: ctypes.CDLL | None = None
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled library (build.load_library), or None: callers then use torch ops."""
+    global _lib
+    _lib = build.load_library("qmatmul", _SOURCE, _SIGNATURES)
+    return _lib
+
+
+@dataclass
+class Blocks:
+    """A weight [N, K] in the layout of the module docstring (tensors on the CPU, contiguous)."""
+
+    codes: torch.Tensor  # 4-bit: uint8 [N, K/2]; 8-bit: int8 [N, K]
+    d: torch.Tensor  # float32 [N, K/32]
+    c: torch.Tensor  # float32 [N, K/32]
+    bits: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.d.shape[0], self.d.shape[1] * 32
+
+    @staticmethod
+    def from_codes(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int) -> Blocks:
+        """Unsigned codes q [N, K] (0..2^bits-1) with per-group scale / offset [N, G], K / G a
+        multiple of 32: weight = q * scale + offset."""
+        n, k = q.shape
+        if k % 32 or (k // scale.shape[1]) % 32:
+            raise ValueError(f"blocks need groups of a multiple of 32 weights, got [{n}, {k}] in {scale.shape[1]} groups")
+        f = k // 32 // scale.shape[1]
+        d = scale.float().repeat_interleave(f, 1).contiguous()
+        c = offset.float().repeat_interleave(f, 1)
+        q = q.to(torch.int16)
+        if bits == 4:  # nibbles as they are; the offset absorbs the centring 8 * scale
+            b = q.to(torch.uint8).view(n, k // 32, 2, 16)
+            codes = (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, k // 2)
+            c = c + 8 * d
+        else:  # signed codes q - 128: the offset absorbs 128 * scale
+            codes = (q - 128).to(torch.int8)
+            c = c + 128 * d
+        return Blocks(codes.contiguous(), d, c.contiguous(), bits)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.c))
+
+
+def matmul(x: torch.Tensor, w: Blocks, mode: str) -> torch.Tensor:
+    """x [M, K] float32 (rows may be strided, elements dense) -> x @ W.T [M, N] float32."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = w.d.shape[0]
+    y = torch.empty(m, n)
+    (_lib or load()).qlinear(w.bits, w.codes.data_ptr(), w.d.data_ptr(), w.c.data_ptr(), n, k, x.data_ptr(), x.stride(0), m,
+                 y.data_ptr(), n, mode == "int8", torch.get_num_threads())
+    return y
+
+
+def dequantize(w: Blocks) -> torch.Tensor:
+    """W [N, K] float32."""
+    lib = load()
+    assert lib is not None
+    n, k = w.shape
+    out = torch.empty(n, k)
+    lib.dequantize(w.bits, w.codes.data_ptr(), w.d.data_ptr(), w.c.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def reference(w: Blocks) -> torch.Tensor:
+    """W [N, K] float32 from torch ops alone (tests, and machines without a compiler)."""
+    n, k = w.shape
+    if w.bits == 4:
+        b = w.codes.view(n, k // 32, 16)
+        q = torch.cat([b & 15, b >> 4], -1).float() - 8
+    else:
+        q = w.codes.view(n, k // 32, 32).float()
+    return (q * w.d[..., None] + w.c[..., None]).view(n, k)
+
+
+def supports(in_features: int, group_size: int, device: torch.device) -> bool:
+    """A weight with this input size and group size can be stored as Blocks and run here."""
+    return (device.type == "cpu" and in_features % 32 == 0 and group_size % 32 == 0
+            and load() is not None)
