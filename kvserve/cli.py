@@ -1,8 +1,10 @@
-"""`kvserve serve | router | generate | chat | bench | cache | eval | quantize` — flag names mirror `vllm serve`."""
+"""`kvserve serve | router | generate | chat | bench | cache | eval | quantize | env` — flag names mirror
+`vllm serve`."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from kvserve.config import EngineConfig
@@ -81,6 +83,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
+def cmd_env(args: argparse.Namespace) -> int:
+    from kvserve import env
+
+    info = env.collect()
+    print(json.dumps(info, indent=1) if args.json else env.format(info))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="LLM inference engine built around the KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -110,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(c)
     c.add_argument("--system", default=None, help="system prompt")
     c.set_defaults(func=cmd_chat)
+
+    e = sub.add_parser("env", help="versions, CPU features, threads, C kernels and caches, for a bug report")
+    e.add_argument("--json", action="store_true", help="print the same as JSON")
+    e.set_defaults(func=cmd_env)
 
     from kvserve.bench.throughput import add_bench_parser
     from kvserve.eval.cli import add_eval_parser

@@ -230,6 +230,8 @@ class ParallelConfig:
     enable_expert_parallel: bool = False  # MoE experts sharded over the tensor-parallel ranks
     distributed_executor_backend: str | None = None  # uni | mp | ray; None: see `backend`
     cpu_threads_bind: str | None = None  # '0-3|4-7': cores per rank; None or 'auto': not fixed
+    # Intra-op threads of each rank; None: one per core the rank may use (see Worker's bind_threads)
+    cpu_threads: int | None = None
     rank: int = 0
 
     def __post_init__(self) -> None:
@@ -245,6 +247,8 @@ class ParallelConfig:
         if self.rank >= self.world_size:
             raise ValueError(f"rank must be < the world size ({self.world_size}), got {self.rank}")
         parse_cpu_threads_bind(self.cpu_threads_bind, self.world_size)  # raises on a bad list
+        if self.cpu_threads is not None:
+            _check_int("cpu_threads", self.cpu_threads, 1)
 
     @property
     def world_size(self) -> int:

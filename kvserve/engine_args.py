@@ -84,7 +84,8 @@ def _quantization_choices() -> tuple[str, ...]:
 FLAGS: tuple[Flag, ...] = (
     Flag("model", "model.model", None, "HF directory or GGUF file (default: embedded SmolLM2-135M-Instruct)"),
     Flag("dtype", "model.dtype", "auto",
-         "weight dtype (auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32)",
+         "activation dtype (auto: bfloat16 on CUDA; on a CPU the faster of float32 / bfloat16 measured on "
+         "the model's shapes at start, cached per CPU: `kvserve env` shows the choice)",
          choices=DTYPES),
     Flag("quantization", "model.quantization", None,
          "weight quantization (default: what the checkpoint says; none: load dequantized)",
@@ -124,6 +125,9 @@ FLAGS: tuple[Flag, ...] = (
          "CPU cores of each rank, '|' between ranks, e.g. '0-3|4-7' (default auto: ranks of one host "
          "share its cores equally)",
          group="parallel", metavar="CORES"),
+    Flag("cpu_threads", "parallel.cpu_threads", None,
+         "intra-op threads of each rank (default: one per core it may use: its --cpu-threads-bind cores, "
+         "else its share of this host's, or OMP_NUM_THREADS)", group="parallel", type=int, metavar="N"),
     # ---- KV tiers
     Flag("kv_offload_cpu", "tiers.cpu_bytes", None, "host RAM tier, e.g. 8GiB", group="tiers",
          convert=_size_or_zero, metavar="SIZE"),

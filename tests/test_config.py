@@ -20,7 +20,7 @@ EXAMPLES = {
     "kv_cache_memory": "3GiB", "num_kv_blocks": 100, "enable_prefix_caching": False, "prefix_cache": "radix",
     "seed": 7, "device": "cuda", "check_integrity": True,
     "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "enable_expert_parallel": True,
-    "distributed_executor_backend": "ray", "cpu_threads_bind": "0-3",
+    "distributed_executor_backend": "ray", "cpu_threads_bind": "0-3", "cpu_threads": 3,
     "kv_offload_cpu": "8GiB", "kv_offload_disk": "/tmp/kv", "kv_offload_disk_size": "10GiB",
     "kv_offload_disk_min_hits": 2, "kv_remote": "redis://127.0.0.1:6379", "kv_remote_min_hits": 3,
     "kv_remote_write_through": True,
@@ -129,6 +129,8 @@ def test_bad_choices_are_refused_by_the_parser(capsys):
     ({"tensor_parallel_size": 2, "cpu_threads_bind": "0-3"}, "cpu_threads_bind has 1 core list"),
     ({"tensor_parallel_size": 2, "cpu_threads_bind": "0-3|x"}, "cpu_threads_bind: 'x'"),
     ({"cpu_threads_bind": "3-1"}, "cpu_threads_bind: '3-1'"),
+    ({"cpu_threads": 0}, "cpu_threads must be >= 1, got 0"),
+    ({"cpu_threads": "4"}, "cpu_threads must be an integer"),
     ({"enable_expert_parallel": "yes"}, "enable_expert_parallel must be True or False"),
     ({"kv_cache_memory": "lots"}, "kv_cache_memory must be a size"),
     ({"kv_offload_cpu": "-1GiB"}, "kv_offload_cpu must be a size"),
@@ -149,6 +151,8 @@ def test_bad_cli_values_name_the_flag():
         EngineConfig.from_cli_args(parser().parse_args(["-tp", "0"]))
     with pytest.raises(ValueError, match="cpu_threads_bind has 2"):
         EngineConfig.from_cli_args(parser().parse_args(["--cpu-threads-bind", "0|1"]))
+    with pytest.raises(ValueError, match="cpu_threads must be >= 1"):
+        EngineConfig.from_cli_args(parser().parse_args(["--cpu-threads", "0"]))
 
 
 def test_llm_refuses_unknown_keywords_and_mixed_config_before_loading():

@@ -3,6 +3,9 @@
     kvserve serve [MODEL] --host 127.0.0.1 --port 8000 [engine flags] [--api-key KEY]
                   [--served-model-name NAME] [--max-waiting N]
 
+The engine process gets the compute cores (--cpu-threads, --cpu-threads-bind); this one, which
+only tokenizes and speaks HTTP, keeps one torch thread.
+
 Ctrl-C / SIGTERM: the engine process is stopped first, so every open stream ends
 at once with an error event instead of running on; uvicorn then closes the
 connections and the command exits with no process left behind.
@@ -50,11 +53,21 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
 
 
+def _leave_cores_to_engine() -> None:
+    """One torch thread in this process: the engine runs in a process of its own (AsyncEngine) with
+    the compute cores, and an HTTP process that only tokenizes must not compete for them. The
+    engine process is spawned, so it starts with torch's own count, not this one."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
     from kvserve.engine.async_engine import AsyncEngine
     from kvserve.models.loader import load_tokenizer
     from kvserve.server.openai_api import build_app
 
+    _leave_cores_to_engine()
     tokenizer = load_tokenizer(config.model.model)
     engine = await AsyncEngine.start(config)
     try:

@@ -16,18 +16,26 @@ from kvserve.config import EngineConfig
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.distributed.parallel import Parallel, init_distributed
 from kvserve.models.loader import load_model
+from kvserve.worker.kernels import tuning
 from kvserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
 
-def bind_threads(cores: tuple[int, ...] | None) -> None:
-    """Pin this process to `cores` and run one intra-op thread per core (vLLM's
-    VLLM_CPU_OMP_THREADS_BIND): two ranks on one host must not fight over the same cores."""
-    if cores is None:
+def bind_threads(cores: tuple[int, ...] | None, threads: int | None = None) -> None:
+    """Pin this process to `cores` (vLLM's VLLM_CPU_OMP_THREADS_BIND: two ranks on one host must
+    not fight over the same cores) and run `threads` intra-op threads, by default one per pinned
+    core. With neither, torch's own count stands: the cores this process may use, or
+    OMP_NUM_THREADS (Ray sets it to the actor's CPUs)."""
+    if cores is not None:
+        os.sched_setaffinity(0, set(cores))
+    n = threads or (len(cores) if cores else None)
+    if n is None:
         return
-    os.sched_setaffinity(0, set(cores))
-    torch.set_num_threads(len(cores))
+    if cores and n > len(cores):  # OpenMP threads spin while they wait: more than cores stall each other
+        logger.warning("%d intra-op threads on %d pinned cores (%s): threads will wait for cores", n, len(cores),
+                       ",".join(map(str, cores)))
+    torch.set_num_threads(n)
 
 
 class Worker:
@@ -35,7 +43,7 @@ class Worker:
                  eos_token_id: int | None, init_method: str | None = None) -> None:
         par = config.parallel
         cores = par.cpu_cores
-        bind_threads(cores[par.rank] if cores else None)
+        bind_threads(cores[par.rank] if cores else None, par.cpu_threads)
         torch.manual_seed(config.model.seed)
         if par.world_size > 1:
             parallel = init_distributed(par.rank, par.tensor_parallel_size, par.pipeline_parallel_size, init_method,
@@ -45,6 +53,7 @@ class Worker:
         self.rank = par.rank
         m = config.model
         self.loaded = load_model(m.model, m.dtype, config.device, m.quantization, parallel)
+        tuning.tune_linears(self.loaded.model, self.loaded.dtype)
         self.runner = ModelRunner(self.loaded.model, self.loaded.hf_config, self.loaded.dtype, num_blocks,
                                   config.cache.block_size, config.device, config.cache.kv_cache_dtype,
                                   kv_calibration_ids, parallel)

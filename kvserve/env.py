@@ -1,0 +1,234 @@
+"""`kvserve env`: what a bug report needs about this machine, in one paste.
+
+Speed and even results here depend on the machine (DESIGN.md, "CPUs differ"): the CPU's
+instruction sets, torch's threads, whether the C kernels built, and what the start-up
+measurements chose and cached. `collect()` gathers all of it as plain data (`--json`),
+`format()` lays it out for a person. A broken part never stops the report: its error is
+shown where its value would be.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import platform
+import re
+import subprocess
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+# Used when kvserve runs from a checkout without installed metadata.
+FALLBACK_DEPS = ("torch", "transformers", "tokenizers", "safetensors", "gguf", "fastapi", "uvicorn", "pydantic",
+                 "pyzmq", "redis", "ray")
+# Variables that change threads, instruction sets or kernels, besides every KVSERVE_*.
+ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+            "MKL_ENABLE_INSTRUCTIONS", "CC")
+# (name shown, module, function): each returns the loaded library or None.
+C_KERNELS = (("paged_decode", "kvserve.attention.cpu_kernel", "load_kernel"),
+             ("qmatmul", "kvserve.worker.kernels.qmatmul", "load"),
+             ("fused ops", "kvserve.worker.kernels.ops", "load"))
+_SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)  # reports get pasted in public
+
+
+def _attempt(fn: Callable[[], Any]) -> Any:
+    """fn(), or 'error: ...' in its place."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - any failure is part of the report
+        return f"error: {type(e).__name__}: {e}"
+
+
+def _dependencies() -> list[str]:
+    """kvserve's requirements and its `ray` extra, as the installed metadata lists them."""
+    try:
+        reqs = metadata.requires("kvserve") or []
+    except metadata.PackageNotFoundError:
+        return list(FALLBACK_DEPS)
+    names: list[str] = []
+    for req in reqs:
+        spec, _, marker = req.partition(";")
+        name = re.match(r"[A-Za-z0-9_.\-]+", spec.strip())
+        if name and (not marker or '"ray"' in marker) and name.group(0) not in names:
+            names.append(name.group(0))
+    return names
+
+
+def _versions() -> dict[str, str]:
+    out = {"kvserve": _attempt(lambda: metadata.version("kvserve")), "python": platform.python_version(),
+           "platform": platform.platform()}
+    for name in _dependencies():
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass  # an optional one (ray) that is not installed
+    return out
+
+
+def _cpu() -> dict[str, Any]:
+    from kvserve.worker.kernels import cpu
+
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"model": cpu.cpu_model(), "machine": platform.machine(), "flags": cpu.reported_flags(),
+            "native_level": cpu.native_level(), "isa_level": _attempt(cpu.isa_level),
+            "cpu_count": os.cpu_count(), "usable_cores": usable}
+
+
+def _torch() -> dict[str, Any]:
+    import torch
+
+    info = torch.__config__.parallel_info()
+    backend = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                    if line.startswith("ATen parallel backend")), None)
+    return {"version": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "parallel_backend": backend, "threads": torch.get_num_threads(),
+            "interop_threads": torch.get_num_interop_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+            "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+
+
+def _first_line(cmd: list[str]) -> str:
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    return (out.stdout or out.stderr).strip().splitlines()[0]
+
+
+def _c_kernels() -> dict[str, Any]:
+    """The compiler, and whether each library builds and loads here (building it if it is not cached)."""
+    from kvserve.worker.kernels import build
+
+    cc = build.compiler()
+    out: dict[str, Any] = {"compiler": cc, "compiler_version": _attempt(lambda: _first_line([cc, "--version"]))
+                           if cc else None}
+    for name, module, fn in C_KERNELS:
+        out[name] = _attempt(lambda m=module, f=fn: getattr(importlib.import_module(m), f)() is not None)
+    return out
+
+
+def _tuning_file(path: Path) -> dict[str, Any]:
+    """One cached measurement of worker/kernels/tuning.py, summarized."""
+    from kvserve.worker.kernels import tuning
+
+    kind = path.name.split("_", 1)[0]
+    entry: dict[str, Any] = {"file": path.name, "kind": kind}
+    try:
+        times = json.loads(path.read_text())["times"]
+        if kind == "dtype":  # {dtype: {rows: seconds}} at a decode- and a prefill-sized batch
+            rows = (str(tuning.DECODE_ROWS), str(tuning.PREFILL_ROWS))
+            entry["seconds"] = {name: {r: float(t[r]) for r in rows} for name, t in times.items()}
+        elif kind == "linears":
+            # The file does not say how many linears share a shape: count each once.
+            chosen = tuning.choose(times, {shape: 1 for shape in times})
+            entry["activations"] = chosen["activations"]
+            entry["dense_from"] = {s: None if v == tuning.NEVER else v for s, v in chosen["dense_from"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        entry["error"] = f"{type(e).__name__}: {e}"
+    return entry
+
+
+def _cache() -> dict[str, Any]:
+    from kvserve.worker.kernels import build
+
+    root = build.cache_dir()
+    return {"dir": str(root), "kernels": sorted(p.name for p in (root / "kernels").glob("*.so")),
+            "tuning": [_tuning_file(p) for p in sorted((root / "tuning").glob("*.json"))]}
+
+
+def _dtype_auto() -> dict[str, Any]:
+    """What `--dtype auto` picks on this CPU for the default model (measured now if not cached)."""
+    import torch
+
+    from kvserve.models.loader import open_checkpoint, resolve_dtype
+    from kvserve.worker.kernels import tuning
+
+    config = open_checkpoint(None).config
+    dtype = resolve_dtype("auto", "cpu", config)
+    return {"dtype": str(dtype).removeprefix("torch."), "hidden": getattr(config, "hidden_size", None),
+            "intermediate": getattr(config, "intermediate_size", None), "threads": torch.get_num_threads(),
+            "measured": tuning.enabled()}
+
+
+def _env_vars() -> dict[str, str]:
+    return {k: "(set, hidden)" if _SECRET.search(k) else v for k, v in sorted(os.environ.items())
+            if k.startswith("KVSERVE_") or k in ENV_VARS}
+
+
+def collect() -> dict[str, Any]:
+    """Everything `kvserve env` reports, as JSON-ready data."""
+    from kvserve.models.loader import default_model_path
+
+    info = {"versions": _versions(), "cpu": _attempt(_cpu), "torch": _attempt(_torch),
+            "c_kernels": _attempt(_c_kernels), "default_model": _attempt(default_model_path),
+            "dtype_auto": _attempt(_dtype_auto)}
+    # Listed last: building the kernels and choosing the dtype above may have added files.
+    return {**info, "cache": _attempt(_cache), "env": _env_vars()}
+
+
+def _loads(value: Any) -> str:
+    return {True: "loads", False: "not loaded (torch ops instead)"}.get(value, str(value))
+
+
+def _tuning_line(entry: dict[str, Any]) -> str:
+    from kvserve.worker.kernels.tuning import DECODE_ROWS, PREFILL_ROWS
+
+    if "error" in entry:
+        return f"error: {entry['error']}"
+    if "seconds" in entry:
+        return "; ".join(f"{name} {t[str(DECODE_ROWS)] * 1e6:.0f} us at {DECODE_ROWS} row, "
+                         f"{t[str(PREFILL_ROWS)] * 1e3:.2f} ms at {PREFILL_ROWS}" for name, t in entry["seconds"].items())
+    if "dense_from" in entry:
+        dense = ", ".join(f"{s} {'never' if v is None else v}" for s, v in entry["dense_from"].items())
+        return f"{entry['activations']} activations (each shape counted once); dense from rows: {dense}"
+    return entry["kind"]
+
+
+def _rows(pairs: list[tuple[str, Any]]) -> list[str]:
+    """'  key   value' lines; a list value goes one item a line under its key."""
+    out = []
+    for key, value in pairs:
+        if isinstance(value, list):
+            out += [f"  {key}", *(f"      {v}" for v in value)] if value else [f"  {key:<22} (none)"]
+        else:
+            out.append(f"  {key:<22} {value}")
+    return out
+
+
+def _section(title: str, value: Any, rows: Callable[[dict], list[tuple[str, Any]]]) -> list[str]:
+    if isinstance(value, str):  # the section itself failed
+        return [title, f"  {value}"]
+    return [title, *_rows(rows(value))]
+
+
+def format(info: dict[str, Any]) -> str:
+    """collect()'s result as text to paste into a bug report."""
+    out = _section("versions", info["versions"], lambda v: list(v.items()))
+    out += _section("cpu", info["cpu"], lambda c: [
+        ("model", c["model"]), ("flags", " ".join(c["flags"]) or "(none read)"),
+        ("C kernel ISA level", f"{c['isa_level']} (native {c['native_level']}; KVSERVE_CPU_ISA lowers it)"),
+        ("cores", f"{c['usable_cores']} usable of {c['cpu_count']}")])
+    out += _section("torch", info["torch"], lambda t: [
+        ("cpu capability", t["cpu_capability"]), ("parallel backend", t["parallel_backend"]),
+        ("threads", f"{t['threads']} intra-op, {t['interop_threads']} inter-op"),
+        ("OMP_NUM_THREADS", t["OMP_NUM_THREADS"] or "not set"),
+        ("cuda", "none (a CPU build)" if t["cuda"] is None else
+         f"{t['cuda']} ({'a device' if t['cuda_available'] else 'no device'} available)")])
+    out += _section("C kernels", info["c_kernels"], lambda k: [
+        ("compiler", f"{k['compiler']}: {k['compiler_version']}" if k["compiler"] else "none (set CC or install gcc)"),
+        *((name, _loads(k[name])) for name, _, _ in C_KERNELS)])
+    out += _section("cache", info["cache"], lambda c: [
+        ("dir", c["dir"]), ("kernels/", c["kernels"]),
+        ("tuning/", [f"{e['file']}: {_tuning_line(e)}" for e in c["tuning"]])])
+    d = info["dtype_auto"]
+    if isinstance(d, str):
+        auto = d
+    elif d["measured"]:
+        auto = f"{d['dtype']} (measured on its {d['intermediate']}x{d['hidden']} linear at {d['threads']} threads)"
+    else:
+        from kvserve.worker.kernels.tuning import TUNING_ENV
+
+        auto = f"{d['dtype']} (by the CPU's flags: {TUNING_ENV}=off)"
+    out += ["default model", *_rows([("path", info["default_model"]), ("--dtype auto on CPU", auto)])]
+    out += ["environment", *_rows(list(info["env"].items()))]
+    if not info["env"]:
+        out.append("  (none of KVSERVE_*, " + ", ".join(ENV_VARS) + " set)")
+    return "\n".join(out)
