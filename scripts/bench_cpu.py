@@ -2,7 +2,7 @@
 llama.cpp, measured in one run on one machine (issue 11).
 
     .venv/bin/python scripts/bench_cpu.py [--llama-python PATH] [--configs default,none-f32,...]
-                                          [--threads 2] [--out FILE.json]
+                                          [--threads 2] [--out FILE.json] [--ppl]
 
 - kvserve: `LLM(**config)`; decode = 128 greedy tokens after a short prompt (ignore_eos), median
   of 3 runs, tokens / wall time of generate(); prefill = one request of 2048 prompt tokens and one
@@ -11,6 +11,11 @@ llama.cpp, measured in one run on one machine (issue 11).
   for the instruction set you name) on the same file and thread count: decode = 128 tokens of
   `generate` (top_k=1) after the same prompt; prefill = `eval` of the same 2048 token ids.
 Each configuration runs in a fresh process, so none sees another's caches or threads.
+
+--ppl: what int8 activations cost in perplexity. Every quantized linear of the default model is
+forced through the blocks kernel at every batch size (prefill included, where the dense path
+would otherwise run), with float32 and then int8 activations, and scored with `kvserve eval ppl`'s
+recipe (ShareGPT, 16,384 tokens, windows of 1024 every 512). Takes ~10 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -91,9 +96,31 @@ def run_llama_cpp(path: str, threads: int, prefill_ids: list[int]) -> dict:
             "prefill_tok_s": statistics.median(prefill), "prefill_runs": prefill}
 
 
+def run_ppl() -> dict:
+    import math
+
+    from kvserve import LLM
+    from kvserve.eval.ppl import load_text_tokens, perplexity
+    from kvserve.worker.kernels import tuning
+
+    llm = LLM()
+    model = llm.engine.executor.worker.runner.model
+    blocks = [m for m in model.modules() if getattr(m, "path", None) == "blocks"]
+    ids = load_text_tokens(llm.get_tokenizer(), "sharegpt", 16384)
+    out = {}
+    for mode in ("float32", "int8"):
+        for m in blocks:
+            m.activations, m.dense_from = mode, tuning.NEVER
+        _, scored, nll = perplexity(llm, ids)
+        out[mode] = math.exp(nll / scored)
+    return out
+
+
 def _child(args: argparse.Namespace) -> None:
     spec = json.loads(args.child)
-    if spec["kind"] == "llama.cpp":
+    if spec["kind"] == "ppl":
+        result = run_ppl()
+    elif spec["kind"] == "llama.cpp":
         result = run_llama_cpp(spec["path"], spec["threads"], spec["ids"])
     else:
         result = run_kvserve(spec["kwargs"])
@@ -115,6 +142,7 @@ def main() -> None:
     p.add_argument("--llama-python", default=None, help="a python with llama_cpp installed")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--out", default=None)
+    p.add_argument("--ppl", action="store_true", help="also measure int8 activations' perplexity cost")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -138,6 +166,10 @@ def main() -> None:
         results["runs"]["llama.cpp"] = r
         print(f"llama.cpp {'':17s} decode {r['decode_tok_s']:6.1f} tok/s  prefill {r['prefill_tok_s']:6.1f} tok/s",
               flush=True)
+    if args.ppl:
+        r = results["ppl"] = _run(sys.executable, {"kind": "ppl"}, env)
+        print(f"perplexity, every linear through the blocks kernel: float32 activations {r['float32']:.4f}, "
+              f"int8 {r['int8']:.4f} ({100 * (r['int8'] / r['float32'] - 1):+.2f}%)", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -19,16 +19,34 @@ PROMPTS = [
 ]
 
 
+# Logprob tolerance against HF where the quantized linears take int8 activations (what tuning
+# picks on CPUs where they are faster): rounding each 32-value block of x to 8 bits moved the
+# default model's logprobs by up to 0.14 over these 4 x 20 steps (perplexity +0.35%, BENCHMARKS.md);
+# a token may flip where HF's top two are within 0.2.
+INT8_ACTIVATIONS_ATOL, INT8_ACTIVATIONS_TIE = 0.2, 0.2
+
+
 @pytest.mark.slow
-def test_default_model_greedy_matches_hf():
+@pytest.mark.parametrize("tuning", ["auto", "off"])
+def test_default_model_greedy_matches_hf(tuning, monkeypatch):
+    """With the kernels chosen by measuring (auto), and with exact float activations (off)."""
     from transformers import AutoModelForCausalLM
 
+    from kvserve.worker.kernels.tuning import TUNING_ENV
+
+    monkeypatch.setenv(TUNING_ENV, tuning)
     llm = LLM(dtype="float32", kv_cache_memory="256MiB", check_integrity=True)
     tok = llm.get_tokenizer()
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     ours = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, logprobs=5, ignore_eos=True),
                         use_tqdm=False)
+    model = llm.engine.executor.worker.runner.model
+    int8 = any(getattr(m, "activations", None) == "int8" for m in model.modules())
+    assert not (int8 and tuning == "off")
     path = Path(default_model_path())
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    assert_greedy_parity(ours, hf_greedy(hf, prompts, 20))
+    if int8:
+        assert_greedy_parity(ours, hf_greedy(hf, prompts, 20), INT8_ACTIVATIONS_ATOL, INT8_ACTIVATIONS_TIE)
+    else:
+        assert_greedy_parity(ours, hf_greedy(hf, prompts, 20))
     assert "Paris" in ours[0].outputs[0].text

@@ -56,13 +56,7 @@ def test_qmatmul_matches_dequantized_weight():
     assert check_qmatmul() == []
 
 
-def _levels() -> list[str]:
-    native = cpu.native_level()
-    names = list(cpu.LEVELS)
-    return names[names.index(native):]
-
-
-@pytest.mark.parametrize("level", _levels())
+@pytest.mark.parametrize("level", cpu.runnable_levels())
 def test_every_isa_level_this_cpu_runs(level, tmp_path):
     """Each level builds and passes (avx2 with torch's kernels held to AVX2 too)."""
     env = {**os.environ, "KVSERVE_CPU_ISA": level, "KVSERVE_CACHE_DIR": str(tmp_path)}
@@ -86,7 +80,13 @@ def test_isa_override_refuses_what_the_cpu_lacks(monkeypatch):
     monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
     monkeypatch.setattr(cpu, "native_level", lambda: "avx2")
     monkeypatch.setenv("KVSERVE_CPU_ISA", "avx512_vnni")
-    with pytest.raises(ValueError, match="this CPU runs at most 'avx2'"):
+    with pytest.raises(ValueError, match="this CPU cannot run it"):
+        cpu.isa_level()
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}))
+    monkeypatch.setattr(cpu, "native_level", lambda: "avx512")
+    assert cpu.runnable_levels() == ["avx512", "avx2", "generic"]  # no AVX-VNNI on this one
+    monkeypatch.setenv("KVSERVE_CPU_ISA", "avx_vnni")
+    with pytest.raises(ValueError, match="this CPU cannot run it"):
         cpu.isa_level()
     monkeypatch.setenv("KVSERVE_CPU_ISA", "generic")
     assert cpu.isa_level() == "generic"

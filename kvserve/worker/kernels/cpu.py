@@ -70,17 +70,26 @@ def native_level() -> str:
 
 def isa_level() -> str:
     """The level C kernels are built for: native_level(), or KVSERVE_CPU_ISA if it names a level the
-    CPU can run (a higher one than the CPU has is refused: it would crash with SIGILL)."""
+    CPU can run (one it cannot is refused: it would crash with SIGILL)."""
     native = native_level()
     want = os.environ.get("KVSERVE_CPU_ISA", "").strip().lower()
     if not want:
         return native
-    names = list(LEVELS)
     if want not in LEVELS:
-        raise ValueError(f"KVSERVE_CPU_ISA={want!r} is not one of {', '.join(names)}")
-    if names.index(want) < names.index(native) and not LEVELS[want][0] <= cpu_flags():
-        raise ValueError(f"KVSERVE_CPU_ISA={want!r}: this CPU runs at most {native!r}")
+        raise ValueError(f"KVSERVE_CPU_ISA={want!r} is not one of {', '.join(LEVELS)}")
+    if want != "generic" and (native == "generic" or not LEVELS[want][0] <= cpu_flags()):
+        raise ValueError(f"KVSERVE_CPU_ISA={want!r}: this CPU cannot run it (its levels: "
+                         f"{', '.join(runnable_levels())})")
     return want
+
+
+def runnable_levels() -> list[str]:
+    """Every level this CPU runs, best first (the levels are not a chain: an AVX-512 CPU may lack
+    AVX-VNNI)."""
+    if native_level() == "generic":
+        return ["generic"]
+    flags = cpu_flags()
+    return [name for name, (needs, _) in LEVELS.items() if needs <= flags]
 
 
 def compile_flags(level: str) -> tuple[str, ...]:
