@@ -34,7 +34,8 @@ DECODE_TOKENS, PREFILL_TOKENS = 128, 2048
 # name -> (LLM keyword arguments, extra environment)
 CONFIGS = {
     "default": ({}, {}),
-    "float-activations": ({}, {"KVSERVE_KERNEL_TUNING": "off"}),
+    "int8-activations": ({}, {"KVSERVE_INT8_ACTIVATIONS": "1"}),
+    "tuning-off": ({}, {"KVSERVE_KERNEL_TUNING": "off"}),
     "none-f32": ({"quantization": "none", "dtype": "float32"}, {}),
     "none-bf16": ({"quantization": "none", "dtype": "bfloat16"}, {}),
     "int8-f32": ({"quantization": "int8", "dtype": "float32"}, {}),

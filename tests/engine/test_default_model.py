@@ -27,14 +27,17 @@ INT8_ACTIVATIONS_ATOL, INT8_ACTIVATIONS_TIE = 0.2, 0.35
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tuning", ["auto", "off"])
+@pytest.mark.parametrize("tuning", ["auto", "off", "int8"])
 def test_default_model_greedy_matches_hf(tuning, monkeypatch):
-    """With the kernels chosen by measuring (auto), and with exact float activations (off)."""
+    """With the kernels chosen by measuring (auto), with no measuring (off), and with int8
+    activations allowed (int8: chosen where they measure faster)."""
     from transformers import AutoModelForCausalLM
 
-    from kvserve.worker.kernels.tuning import TUNING_ENV
+    from kvserve.worker.kernels.tuning import INT8_ENV, TUNING_ENV
 
-    monkeypatch.setenv(TUNING_ENV, tuning)
+    monkeypatch.setenv(TUNING_ENV, "off" if tuning == "off" else "auto")
+    if tuning == "int8":
+        monkeypatch.setenv(INT8_ENV, "1")
     llm = LLM(dtype="float32", kv_cache_memory="256MiB", check_integrity=True)
     tok = llm.get_tokenizer()
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
@@ -42,7 +45,7 @@ def test_default_model_greedy_matches_hf(tuning, monkeypatch):
                         use_tqdm=False)
     model = llm.engine.executor.worker.runner.model
     int8 = any(getattr(m, "activations", None) == "int8" for m in model.modules())
-    assert not (int8 and tuning == "off")
+    assert not int8 or tuning == "int8"
     path = Path(default_model_path())
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     if int8:

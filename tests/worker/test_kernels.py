@@ -179,7 +179,10 @@ def test_tune_linears_sets_every_blocks_linear(tmp_path, monkeypatch):
     qw, _ = _blocks(4, 64, 128, 32)
     model = torch.nn.Sequential(quantized_linear(qw, None, torch.float32), quantized_linear(qw, None, torch.float32))
     chosen = tuning.tune_linears(model, torch.float32)
-    assert chosen is not None and chosen["activations"] in qmatmul.MODES
+    assert chosen is not None and chosen["activations"] == "float32"  # int8 only when allowed
+    monkeypatch.setenv(tuning.INT8_ENV, "1")
+    chosen = tuning.tune_linears(model, torch.float32)
+    assert chosen["activations"] in qmatmul.MODES
     for m in model:
         assert m.activations == chosen["activations"] and m.dense_from == chosen["dense_from"]["64x128:4bit"]
     monkeypatch.setenv(tuning.TUNING_ENV, "off")
