@@ -92,7 +92,8 @@ def load() -> ctypes.CDLL | None:
 
 def usable(*tensors: torch.Tensor) -> bool:
     """Every tensor is float32 on the CPU, and the library is built."""
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and load() is not None
+    return (all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+            and (_lib is not None or load() is not None))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,7 @@ static inline void codes_of(const uint8_t *wr, int64_t b, int bits, int8_t *out)
 /* Per token and 32-value block: int8 codes, scale xd = amax / 127, the exact float sum xs, and
    xk = -8 xd sum(codes): what centring 4-bit codes (nibble - 8) subtracts, so the kernel can
    multiply the nibbles as they are (unsigned, as maddubs takes them) in the same integer math. */
-void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs,
+static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs,
                   float *xk, int nthreads) {
     const int64_t nb = K / 32;
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
@@ -79,7 +79,7 @@ void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *xq,
 }
 
 /* Sum of 32 floats' block: per token, per row. */
-void block_sums(const float *x, int64_t ldx, int64_t M, int64_t K, float *xs) {
+static void block_sums(const float *x, int64_t ldx, int64_t M, int64_t K, float *xs) {
     const int64_t nb = K / 32;
     for (int64_t m = 0; m < M; ++m)
         for (int64_t b = 0; b < nb; ++b) {
@@ -131,7 +131,7 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 
 /* y[m, n] (row stride ldy) = sum_k x[m, k] w[n, k], x given as quantize_act's xq / xd / xs. */
-void qgemm_int8act(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t N, int64_t K,
+static void qgemm_int8act(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t N, int64_t K,
                    const int8_t *xq, const float *xd, const float *xs, const float *xk, int64_t M, float *y,
                    int64_t ldy, int nthreads) {
     const int64_t nb = K / 32, row_bytes = bits == 4 ? K / 2 : K;
@@ -189,7 +189,7 @@ void qgemm_int8act(int bits, const uint8_t *wq, const float *wd, const float *wc
 }
 
 /* The same with float activations x [M, K] (row stride ldx) and their block sums xs [M, K/32]. */
-void qgemm_floatact(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t N, int64_t K,
+static void qgemm_floatact(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t N, int64_t K,
                     const float *x, int64_t ldx, const float *xs, int64_t M, float *y, int64_t ldy, int nthreads) {
     const int64_t nb = K / 32, row_bytes = bits == 4 ? K / 2 : K;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -282,11 +282,7 @@ void dequantize(int bits, const uint8_t *wq, const float *wd, const float *wc, i
 
 MODES = ("float32", "int8")  # activations: exact floats, or int8 codes per 32-value block
 _i64, _vp, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-_SIGNATURES = {
-    "quantize_act": [_vp, _i64, _i64, _i64, _vp, _vp, _vp, _vp, _int],
-    "block_sums": [_vp, _i64, _i64, _i64, _vp],
-    "qgemm_int8act": [_int, _vp, _vp, _vp, _i64, _i64, _vp, _vp, _vp, _vp, _i64, _vp, _i64, _int],
-    "qgemm_floatact": [_int, _vp, _vp, _vp, _i64, _i64, _vp, _i64, _vp, _i64, _vp, _i64, _int],
+_SIGNATURES = {  # the two entry points; the rest of the source is static
     "dequantize": [_int, _vp, _vp, _vp, _i64, _i64, _vp, _int],
     "qlinear": [_int, _vp, _vp, _vp, _i64, _i64, _vp, _i64, _i64, _vp, _i64, _int, _int],
 }

@@ -96,7 +96,7 @@ def dtype_candidates() -> list[torch.dtype]:
 
 def choose_dtype(hidden: int, intermediate: int) -> torch.dtype:
     """The fastest activation dtype here for a model of these sizes (see the module docstring)."""
-    names = [str(d).removeprefix("torch.") for d in dtype_candidates()]
+    names = [dtype_name(d) for d in dtype_candidates()]
     if not enabled():
         flags = cpu.cpu_flags()
         return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & flags else torch.float32
