@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup run test redis
+.PHONY: setup run test redis browser
 
 setup: $(VENV)/.setup-done
 
@@ -26,5 +26,11 @@ redis:
 	@command -v redis-server >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server; }
 
-test: setup redis
+# The /dashboard tests drive Debian's chromium headless through its chromedriver, on loopback.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium chromium-driver; }
+
+test: setup redis browser
 	$(PY) -m pytest -q

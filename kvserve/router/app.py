@@ -1,5 +1,6 @@
 """The router's HTTP front: the OpenAI routes of a replica, served by whichever replica the
-policy picks, plus /health, /replicas and /metrics about the router itself.
+policy picks, plus /health, /replicas and /metrics about the router itself, and the live
+/dashboard of the router and each replica (server/dashboard.py).
 
     kvserve router --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 --policy session
 
@@ -24,7 +25,8 @@ import kvserve
 from kvserve.router.policies import make_policy
 from kvserve.router.policy import Policy
 from kvserve.router.proxy import Proxy, RouterMetrics, error_body
-from kvserve.router.replicas import DEFAULT_HEALTH_INTERVAL, ReplicaSet
+from kvserve.router.replicas import DEFAULT_HEALTH_INTERVAL, HEALTH_TIMEOUT, ReplicaSet
+from kvserve.server.dashboard import add_dashboard
 
 logger = logging.getLogger(__name__)
 
@@ -142,5 +144,19 @@ def build_app(router: Router) -> FastAPI:
     @app.get("/version")
     async def version() -> dict:
         return {"version": kvserve.__version__}
+
+    add_dashboard(app, router=True)
+
+    @app.get("/dashboard/replica_metrics")
+    async def replica_metrics(replica: str) -> Response:
+        """One replica's /metrics, for the dashboard's panel of it (only URLs of the replica set)."""
+        r = next((r for r in replicas.replicas if r.url == replica.rstrip("/")), None)
+        if r is None:
+            return _error(404, f"{replica!r} is not one of the router's replicas", "not_found_error")
+        try:
+            resp = await router.client.get(f"{r.url}/metrics", headers=replicas.headers, timeout=HEALTH_TIMEOUT)
+        except httpx.HTTPError as e:
+            return _error(502, f"replica {r.url} did not answer /metrics: {type(e).__name__}: {e}", "bad_gateway")
+        return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
 
     return app
