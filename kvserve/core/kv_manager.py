@@ -93,13 +93,18 @@ class KVCacheManager:
         return len(self._match(request))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The request's cached prompt blocks on the device and the tokens they hold. Counted in
+        the hit rate by `count_lookup` once the request is scheduled, so a request that waits
+        for room and looks up again every step is counted once."""
         if self.cache is None or request.skip_prefix_cache:
             return [], 0
         blocks = self._match(request)
-        num_cached = len(blocks) * self.block_size
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_cached
-        return blocks, num_cached
+        return blocks, len(blocks) * self.block_size
+
+    def count_lookup(self, request: Request, num_cached: int) -> None:
+        if self.cache is not None and not request.skip_prefix_cache:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_cached
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[int] | None = None) -> list[int] | None:

@@ -200,7 +200,8 @@ class Scheduler:
             computed: list[int] = []
             hits: list[TierHit] = []
             num_cached = req.num_computed_tokens  # > 0 only after a fork
-            if not req.block_ids:
+            looked_up = not req.block_ids
+            if looked_up:
                 computed, num_cached = self.kv.get_computed_blocks(req)
                 hits = self._tier_hits(req, len(computed))
             num_loaded = len(hits) * self.kv.block_size
@@ -212,6 +213,8 @@ class Scheduler:
                 self.waiting.insert(0, req)
                 break
             out.kv_onload.extend(zip(blocks, hits))  # the first new blocks take the loaded K/V
+            if looked_up:
+                self.kv.count_lookup(req, num_cached)
             num_cached += num_loaded
             req.num_computed_tokens = num_cached + num_new
             if req.num_cached_tokens < 0:

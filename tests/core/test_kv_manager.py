@@ -176,7 +176,11 @@ def test_stats_count_tokens(impl):
     m = KVCacheManager(16, 4, prefix_cache=impl)
     a = req("a", list(range(10)))
     m.allocate_slots(a, 10, m.get_computed_blocks(a)[0])
-    m.get_computed_blocks(req("b", list(range(9))))
+    m.count_lookup(a, 0)
+    b = req("b", list(range(9)))
+    for _ in range(3):  # a request that waits for room looks up again each step: counted once
+        hit, n = m.get_computed_blocks(b)
+    m.count_lookup(b, n)
     assert (m.prefix_cache_queries, m.prefix_cache_hits) == (19, 8)
 
 

@@ -20,6 +20,7 @@ def admit(m: KVCacheManager, r: Request, live: list[Request]) -> tuple[list[int]
     hit, n = m.get_computed_blocks(r)
     new = m.allocate_slots(r, r.num_tokens - n, hit)
     assert new is not None
+    m.count_lookup(r, n)
     r.num_computed_tokens = r.num_tokens
     live.append(r)
     m.check_integrity(live)

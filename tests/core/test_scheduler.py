@@ -172,3 +172,13 @@ def test_abort_frees_blocks():
     assert s.kv.num_used_blocks == 0
     assert not s.has_unfinished_requests()
     assert "a" in s.schedule().finished_req_ids
+
+
+def test_hit_rate_counts_a_request_waiting_for_room_once():
+    """A request that cannot get blocks looks up the prefix cache again each step; the hit-rate
+    counters take it once, when it is scheduled (and again only after a preemption)."""
+    s = make_sched(num_blocks=7, budget=64)  # 7 blocks of 4: r1's 4 prompt blocks wait until r0 is done
+    reqs = [req(f"r{i}", 16, max_tokens=8, start=40 * i, arrival=float(i)) for i in range(2)]
+    outs = run_all(s, reqs)
+    assert len(outs) > 10 and not any(r.num_preemptions for r in reqs)
+    assert s.kv.prefix_cache_queries == 2 * 16
