@@ -69,12 +69,17 @@ class ModelConfig:
     seed: int = 0
     # None: from the checkpoint (quantization_config, or a GGUF file); "none": load dequantized
     quantization: str | None = None
+    # The model's sampling defaults for requests that omit a field (models/generation_config.py):
+    # auto (generation_config.json or GGUF general.sampling.*), none, or a directory
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         from kvserve.quant.base import check_method
 
         check_method(self.quantization)
         _check_choice("dtype", self.dtype, DTYPES)
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be auto, none or a directory, got {self.generation_config!r}")
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 1)
         _check_int("seed", self.seed, 0)
@@ -116,9 +121,10 @@ class TierConfig:
     # there (KVBM-style: disk writes are for blocks that get reused).
     disk_min_hits: int = 0
     remote_min_hits: int = 0
-    # Also send every newly computed full block to the remote store at once, so other
-    # replicas can reuse a prompt before this one ever evicts it.
-    remote_write_through: bool = False
+    # With a remote store: send every newly computed full block to it after the step (on the
+    # writer thread), so other replicas reuse a prompt before this one ever evicts it. Off:
+    # blocks reach the store only when evicted from this replica (less traffic, no sharing).
+    remote_write_through: bool = True
 
     def __post_init__(self) -> None:
         _check_int("kv_offload_cpu", self.cpu_bytes, 0)
@@ -128,8 +134,10 @@ class TierConfig:
         _check_bool("kv_remote_write_through", self.remote_write_through)
         if self.remote_url is not None and not re.match(r"^(rediss?|unix)://", self.remote_url):
             raise ValueError(f"kv_remote must be a redis:// or unix:// URL, got {self.remote_url!r}")
-        if self.remote_write_through and self.remote_url is None:
-            raise ValueError("kv_remote_write_through needs kv_remote")
+
+    @property
+    def writes_through(self) -> bool:
+        return self.remote_write_through and self.remote_url is not None
 
     @property
     def enabled(self) -> bool:

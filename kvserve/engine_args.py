@@ -107,6 +107,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("prefix_cache", "cache.prefix_cache", "hash", "prefix cache structure: hash chain or radix tree",
          choices=PREFIX_CACHES),
     Flag("seed", "model.seed", 0, "random seed of the engine", type=int),
+    Flag("generation_config", "model.generation_config", "auto",
+         "sampling defaults for requests that omit a field: auto (the model's generation_config.json, "
+         "or a GGUF file's general.sampling.* keys), none (kvserve's own), or a directory holding a "
+         "generation_config.json", metavar="auto|none|DIR"),
     Flag("device", "device", "cpu", "torch device, e.g. cpu or cuda"),
     Flag("check_integrity", "check_integrity", False, "check the KV cache's invariants after every step",
          cli=False),
@@ -140,9 +144,11 @@ FLAGS: tuple[Flag, ...] = (
          metavar="URL"),
     Flag("kv_remote_min_hits", "tiers.remote_min_hits", 0, "only blocks hit N times go to the shared store",
          group="tiers", type=int, metavar="N"),
-    Flag("kv_remote_write_through", "tiers.remote_write_through", False,
-         "send every new full block to --kv-remote at once (replicas reuse it sooner)", group="tiers",
-         boolean="store_true"),
+    Flag("kv_remote_write_through", "tiers.remote_write_through", True,
+         "send every new full block to --kv-remote after its step, in the background, so other replicas "
+         "reuse it at once (default); --no-kv-remote-write-through: only blocks evicted from this replica "
+         "go there (less store traffic, but replicas share only what one has evicted)", group="tiers",
+         boolean="optional"),
     # ---- KV events
     Flag("kv_events_endpoint", "kv_events.endpoint", None,
          "publish every block stored or removed, in every tier, over ZMQ PUB at this address, "

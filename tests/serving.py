@@ -56,6 +56,23 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
+def engine_pid(server_pid: int) -> int:
+    """The engine process: the server's child running multiprocessing's spawn_main (not its resource tracker)."""
+    for pid in child_pids(server_pid):
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"spawn_main" in cmd:
+            return pid
+    raise AssertionError(f"no engine process among the children of {server_pid}")
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 @dataclass
 class Server:
     base: str
@@ -71,13 +88,14 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(args: list[str], log: Path, timeout: float = 180) -> Iterator[Server]:
-    """`kvserve serve ARGS --port P` until healthy; terminated (then killed) on exit."""
+def running_server(args: list[str], log: Path, timeout: float = 180, new_session: bool = False) -> Iterator[Server]:
+    """`kvserve serve ARGS --port P` until healthy; terminated (then killed) on exit. With
+    new_session the server leads a process group of its own (for `os.killpg`)."""
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(log, "w") as f:
+    with open(log, "w" if not log.exists() else "a") as f:
         proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", *args, "--port", str(port)],
-                                stdout=f, stderr=subprocess.STDOUT, env=env)
+                                stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=new_session)
     srv = Server(f"http://127.0.0.1:{port}", proc, log)
     try:
         deadline = time.monotonic() + timeout

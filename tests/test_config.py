@@ -18,17 +18,16 @@ EXAMPLES = {
     "model": "/models/tiny.gguf", "dtype": "float32", "quantization": "gguf", "kv_cache_dtype": "fp8",
     "max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 32,
     "kv_cache_memory": "3GiB", "num_kv_blocks": 100, "enable_prefix_caching": False, "prefix_cache": "radix",
-    "seed": 7, "device": "cuda", "check_integrity": True,
+    "seed": 7, "device": "cuda", "check_integrity": True, "generation_config": "none",
     "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "enable_expert_parallel": True,
     "distributed_executor_backend": "ray", "cpu_threads_bind": "0-3", "cpu_threads": 3,
     "kv_offload_cpu": "8GiB", "kv_offload_disk": "/tmp/kv", "kv_offload_disk_size": "10GiB",
     "kv_offload_disk_min_hits": 2, "kv_remote": "redis://127.0.0.1:6379", "kv_remote_min_hits": 3,
-    "kv_remote_write_through": True,
+    "kv_remote_write_through": False,
     "kv_events_endpoint": "tcp://127.0.0.1:5557", "kv_events_replay_endpoint": "tcp://127.0.0.1:6000",
 }
 # Flags that only make sense with another one.
-NEEDS = {"kv_remote_write_through": {"kv_remote": "redis://127.0.0.1:6379"},
-         "kv_events_replay_endpoint": {"kv_events_endpoint": "tcp://127.0.0.1:5557"}}
+NEEDS = {"kv_events_replay_endpoint": {"kv_events_endpoint": "tcp://127.0.0.1:5557"}}
 # Config fields no flag sets: the engine fills them in (or, for rank, the executor).
 DERIVED = {"scheduler.max_model_len", "parallel.rank"}
 
@@ -136,7 +135,7 @@ def test_bad_choices_are_refused_by_the_parser(capsys):
     ({"kv_offload_cpu": "-1GiB"}, "kv_offload_cpu must be a size"),
     ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be >= 1"),
     ({"block_size": "16"}, "block_size must be an integer"),
-    ({"kv_remote_write_through": True}, "kv_remote_write_through needs kv_remote"),
+    ({"kv_remote_write_through": "no"}, "kv_remote_write_through must be True or False"),
     ({"check_integrity": 1}, "check_integrity must be True or False"),
     ({"kv_cache_memroy": "1GiB"}, "unknown engine argument 'kv_cache_memroy'; did you mean 'kv_cache_memory'"),
     ({"gpu_memory_utilization": 0.9}, "unknown engine argument 'gpu_memory_utilization'"),

@@ -72,7 +72,10 @@ def _worker_main(config: EngineConfig, num_blocks: int, calibration: list[int] |
                  init_method: str, in_addr: str, out_addr: str) -> None:
     """A rank's process: build the Worker, then run calls until 'shutdown' or the engine is gone."""
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the engine decides
+    # Ctrl-C and SIGTERM to the process group reach the ranks too; the engine decides when they
+    # stop, after it has read the KV it saves at shutdown from them.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = os.getppid()
     rank = config.parallel.rank
     ctx = zmq.Context()

@@ -25,6 +25,7 @@ import itertools
 import logging
 import multiprocessing
 import shutil
+import signal
 import tempfile
 import time
 import uuid
@@ -35,18 +36,29 @@ import zmq
 import zmq.asyncio
 
 from kvserve.config import EngineConfig
-from kvserve.engine.engine_proc import (ABORT, ADD, CLEAR_CACHE, ERROR, FATAL, OUTPUTS, READY, SHUTDOWN, STATS,
-                                        STATS_RESULT, AbortMsg, AddMsg, ModelInfo, RequestDelta, ShutdownMsg, StatsMsg,
-                                        decode, encode, params_to_wire, run_engine_process)
+from kvserve.engine.engine_proc import (ABORT, ADD, CLEAR_CACHE, ERROR, FATAL, OUTPUTS, READY, SHUTDOWN, SNAPSHOT,
+                                        STATS, STATS_RESULT, STOPPED, AbortMsg, AddMsg, ModelInfo, RequestDelta,
+                                        ShutdownMsg, StatsMsg, decode, encode, params_to_wire, run_engine_process)
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 LIVENESS_INTERVAL_S = 0.5
+# How long stats() waits for the engine's own answer before taking its latest snapshot: the
+# engine answers between steps, and routes that show its state must answer in bounded time.
+STATS_TIMEOUT_S = 2.0
+# How long shutdown() waits for the engine process to save the KV tiers (EngineCore.close: the
+# queued writes, then the blocks still in memory, each bounded by FLUSH_BUDGET_S) and exit,
+# before it is terminated.
+STOP_BUDGET_S = 30.0
 
 
 class EngineDeadError(RuntimeError):
     """The engine process is gone; no request on it can finish."""
+
+
+class EngineBusyError(RuntimeError):
+    """The engine did not answer in time and there is no snapshot of its state yet."""
 
 
 class AsyncEngine:
@@ -68,6 +80,9 @@ class AsyncEngine:
         self._closed = False
         self._released = False
         self._reader: asyncio.Task | None = None
+        self._stopping: asyncio.Task | None = None
+        self._snapshot: tuple[float, dict[str, Any]] | None = None  # (wall time, stats) last sent unasked
+        self.stop_signal: int | None = None  # the signal that stopped the engine process on its own
         atexit.register(self._shutdown_sync)
 
     # ---- start-up ----------------------------------------------------------
@@ -177,13 +192,30 @@ class AsyncEngine:
         self._check_alive()
         self._send(AbortMsg(type=ABORT, request_id=request_id))
 
-    async def stats(self, timeout: float = 30.0) -> dict[str, float | int]:
-        """EngineCore.stats() from the engine process, plus num_requests (open requests)."""
-        return await self._query(STATS, timeout)
+    async def stats(self, timeout: float = STATS_TIMEOUT_S) -> dict[str, float | int]:
+        """EngineCore.stats() from the engine process, plus num_requests (open requests).
 
-    async def clear_kv_cache(self, timeout: float = 60.0) -> dict[str, int]:
-        """EngineCore.clear_kv_cache() in the engine process: entries removed per tier."""
-        return await self._query(CLEAR_CACHE, timeout)
+        A busy engine answers between steps; if it has not within `timeout`, this returns the
+        snapshot it last sent on its own (at most SNAPSHOT_INTERVAL_S old while it runs), with
+        `stats_age_s` saying how old. EngineBusyError if there is none, EngineDeadError if the
+        engine is gone.
+        """
+        try:
+            return await self._query(STATS, timeout)
+        except asyncio.TimeoutError:
+            if self._snapshot is None:
+                raise EngineBusyError(f"the engine did not report its state within {timeout} s") from None
+            at, stats = self._snapshot
+            return dict(stats, stats_age_s=round(max(0.0, time.time() - at), 3))
+
+    async def clear_kv_cache(self, timeout: float = 10.0) -> dict[str, int]:
+        """EngineCore.clear_kv_cache() in the engine process: entries removed per tier.
+        EngineBusyError if it has not answered within `timeout` (it still clears, between steps)."""
+        try:
+            return await self._query(CLEAR_CACHE, timeout)
+        except asyncio.TimeoutError:
+            raise EngineBusyError(f"the engine did not answer within {timeout} s; it clears its cache "
+                                  "when the current step ends") from None
 
     async def _query(self, kind: str, timeout: float) -> dict[str, Any]:
         self._check_alive()
@@ -196,10 +228,16 @@ class AsyncEngine:
         finally:
             self._stats_waiters.pop(qid, None)
 
-    async def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine process (SHUTDOWN, then terminate, then kill); idempotent."""
-        if self._closed:
-            return
+    async def shutdown(self, timeout: float = STOP_BUDGET_S) -> None:
+        """Stop the engine process (SHUTDOWN; after `timeout`, terminate, then kill). Idempotent:
+        a second call waits for the first one's stop to finish."""
+        if self._stopping is None:
+            if self._released:
+                return
+            self._stopping = asyncio.get_running_loop().create_task(self._shutdown(timeout))
+        await asyncio.shield(self._stopping)
+
+    async def _shutdown(self, timeout: float) -> None:
         self._closed = True
         with contextlib.suppress(zmq.ZMQError):
             self._inp.send(encode(ShutdownMsg(type=SHUTDOWN)), zmq.NOBLOCK)
@@ -257,6 +295,8 @@ class AsyncEngine:
             self._dispatch(decode(await self._out.recv()))
 
     def _mark_dead(self, reason: str | None = None) -> None:
+        if self._dead is not None:
+            return
         if reason is None:
             self._proc.join(timeout=1.0)
             if self._fatal is not None:
@@ -291,6 +331,11 @@ class AsyncEngine:
             fut = self._stats_waiters.get(msg["query_id"])
             if fut is not None and not fut.done():
                 fut.set_result(msg["stats"])
+        elif kind == SNAPSHOT:
+            self._snapshot = (msg["time"], msg["stats"])
+        elif kind == STOPPED:  # it saves its KV tiers and exits; no request on it will finish
+            self.stop_signal = msg["signal"]
+            self._mark_dead(f"the engine process was stopped by {signal.Signals(msg['signal']).name}")
         elif kind == FATAL:
             self._fatal = msg["message"]
             logger.error("engine process failed:\n%s", msg["traceback"])

@@ -23,6 +23,7 @@ from kvserve.core.scheduler import Scheduler, SchedulerOutput
 from kvserve.distributed.executor import Executor, WorkerError
 from kvserve.distributed.parallel import check_parallel
 from kvserve.engine.output_processor import OutputProcessor
+from kvserve.models.generation_config import generation_defaults
 from kvserve.models.loader import open_checkpoint, resolve_dtype
 from kvserve.outputs import RequestOutput
 from kvserve.request import Request, RequestStatus
@@ -72,6 +73,8 @@ class EngineCore:
         num_blocks = self._num_blocks(cache_config)
         calibration = self._kv_calibration_ids() if cache_config.kv_cache_dtype == "fp8" else None
         self.eos_token_id = self._eos_token_id()
+        # SamplingParams values for what a request leaves out (LLM, and the server via ModelInfo)
+        self.generation_defaults = generation_defaults(ckpt.path, model_config.generation_config, ckpt.gguf_reader)
         # Ranks load in the dtype resolved here: auto is measured once, not once per rank.
         resolved = dataclasses.replace(model_config, dtype=str(self.dtype).removeprefix("torch."))
         self.executor = Executor.create(dataclasses.replace(config, model=resolved), num_blocks, calibration,
@@ -256,7 +259,7 @@ class EngineCore:
         return so
 
     def _finish_step(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> list[RequestOutput]:
-        if self.tiers is not None and self.tiers.cfg.remote_write_through:
+        if self.tiers is not None and self.tiers.cfg.writes_through:
             reqs = [self.scheduler.requests[r] for r in so.num_scheduled_tokens if r in self.scheduler.requests]
             self.tiers.write_through(reqs, self.executor)
         updated = self.scheduler.update(so, ro.sampled)

@@ -23,6 +23,7 @@ import dataclasses
 import os
 import signal
 import sys
+import time
 import traceback
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, TypedDict
@@ -37,6 +38,9 @@ from kvserve.sampling_params import SamplingParams
 # How long the idle child blocks on its input socket before re-checking that
 # its parent is still alive (an orphaned engine would hold memory forever).
 IDLE_POLL_MS = 500
+# While busy, the child sends a stats snapshot this often, so a route that reads the engine's
+# state answers from a recent one when the engine cannot answer a query at once.
+SNAPSHOT_INTERVAL_S = 1.0
 
 # ---- message schema -------------------------------------------------------
 
@@ -44,6 +48,7 @@ IDLE_POLL_MS = 500
 ADD, ABORT, STATS, CLEAR_CACHE, SHUTDOWN = "add", "abort", "stats", "clear_cache", "shutdown"
 # child -> parent
 READY, OUTPUTS, ERROR, STATS_RESULT, FATAL = "ready", "outputs", "error", "stats_result", "fatal"
+SNAPSHOT, STOPPED = "snapshot", "stopped"
 
 
 class AddMsg(TypedDict):
@@ -84,6 +89,9 @@ class ModelInfo:
     pid: int
     # With --kv-events-endpoint: endpoint, replay_endpoint, model_fingerprint, hash_scheme (GET /kv_events)
     kv_events: dict[str, Any] | None = None
+    # The model's sampling defaults for requests that omit a field (--generation-config), e.g.
+    # {"temperature": 0.6}; models/generation_config.py reads them
+    generation_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 # One logprob position on the wire: [[token_id, logprob, rank, decoded_token], ...],
@@ -127,6 +135,21 @@ class StatsResultMsg(TypedDict):
     type: Literal["stats_result"]
     query_id: int
     stats: dict[str, float | int | str]
+
+
+class SnapshotMsg(TypedDict):
+    """EngineCore.stats() sent unasked while busy (every SNAPSHOT_INTERVAL_S) and with each STATS_RESULT."""
+
+    type: Literal["snapshot"]
+    time: float
+    stats: dict[str, float | int | str]
+
+
+class StoppedMsg(TypedDict):
+    """The child was stopped by a signal sent to it (not by SHUTDOWN); it saves and exits 0."""
+
+    type: Literal["stopped"]
+    signal: int
 
 
 class FatalMsg(TypedDict):
@@ -306,7 +329,15 @@ class EngineLoop:
         self.pending: list[RequestDeltaWire] = []  # abort deltas, sent before the next step
         self.flush = False  # an abort left finished ids for the model runner to drop
         self.stopping = False
+        self.stop_signal: int | None = None  # set by on_signal
         self.parent_pid = os.getppid()
+        self.last_snapshot = 0.0
+
+    def on_signal(self, signum: int, _frame: Any) -> None:
+        """SIGTERM / SIGINT to this process (alone, or with its group): stop after the current step,
+        as SHUTDOWN would; run_engine_process then saves the KV tiers and exits."""
+        self.stop_signal = signum
+        self.stopping = True
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -327,6 +358,15 @@ class EngineLoop:
             if self.pending:
                 self.out.send(encode(OutputsMsg(type=OUTPUTS, deltas=self.pending)))
                 self.pending = []
+            if time.monotonic() - self.last_snapshot >= SNAPSHOT_INTERVAL_S:
+                self._send_snapshot()
+
+    def _stats(self) -> dict[str, Any]:
+        return dict(self.engine.stats(), num_requests=len(self.tracker.requests))
+
+    def _send_snapshot(self, stats: dict[str, Any] | None = None) -> None:
+        self.last_snapshot = time.monotonic()
+        self.out.send(encode(SnapshotMsg(type=SNAPSHOT, time=time.time(), stats=stats or self._stats())))
 
     def _drain(self) -> None:
         while True:
@@ -348,8 +388,9 @@ class EngineLoop:
             if d is not None:
                 self.pending.append(d)
         elif kind == STATS:
-            stats = dict(self.engine.stats(), num_requests=len(self.tracker.requests))
+            stats = self._stats()
             self.out.send(encode(StatsResultMsg(type=STATS_RESULT, query_id=msg["query_id"], stats=stats)))
+            self._send_snapshot(stats)
         elif kind == CLEAR_CACHE:
             cleared = self.engine.clear_kv_cache()
             self.out.send(encode(StatsResultMsg(type=STATS_RESULT, query_id=msg["query_id"], stats=cleared)))
@@ -390,17 +431,30 @@ def ready_message(engine, config: EngineConfig) -> dict[str, Any]:
     info = ModelInfo(model=config.model.model, model_path=str(engine.model_path),
                      max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
                      block_size=engine.kv.block_size, num_kv_blocks=engine.kv.num_blocks,
-                     eos_token_id=engine.eos_token_id, pid=os.getpid(), kv_events=kv_events_info(engine))
+                     eos_token_id=engine.eos_token_id, pid=os.getpid(), kv_events=kv_events_info(engine),
+                     generation_defaults=engine.generation_defaults)
     return {"type": READY, **asdict(info)}
+
+
+class _StopSignal(SystemExit):
+    pass
+
+
+def _raise_exit(signum: int, _frame: Any) -> None:
+    raise _StopSignal(128 + signum)
 
 
 def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     """Child process entry point: build the engine, send READY, serve until SHUTDOWN.
 
-    Exits 0 after SHUTDOWN (or when the parent has died), 1 after sending FATAL.
+    Exits 0 after SHUTDOWN (or when the parent has died), 1 after sending FATAL. SIGTERM or
+    SIGINT, to this process alone or to its whole group (Ctrl-C, systemd, `kill -- -PGID`), stops
+    it as SHUTDOWN does: after the current step, the KV tiers are saved (EngineCore.close, within
+    its budget) and STOPPED tells the parent, which stops too.
     """
-    # Ctrl-C reaches the whole process group; the parent decides when we stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Until the loop runs there is nothing to save: a stop signal ends start-up at once.
+    signal.signal(signal.SIGTERM, _raise_exit)
+    signal.signal(signal.SIGINT, _raise_exit)
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.LINGER, 5000)
@@ -412,8 +466,15 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
     engine = None
     try:
         engine = build_engine(config)
+        loop = EngineLoop(engine, inp, out)
+        signal.signal(signal.SIGTERM, loop.on_signal)
+        signal.signal(signal.SIGINT, loop.on_signal)
         out.send(encode(ready_message(engine, config)))
-        EngineLoop(engine, inp, out).run()
+        loop.run()
+        if loop.stop_signal is not None:
+            out.send(encode(StoppedMsg(type=STOPPED, signal=loop.stop_signal)))
+    except _StopSignal as e:  # during start-up
+        code = e.code
     except BaseException as e:  # noqa: BLE001 - anything here must reach the parent
         code = 1
         out.send(encode(FatalMsg(type=FATAL, message=f"{type(e).__name__}: {e}",

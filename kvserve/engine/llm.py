@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -10,11 +11,15 @@ from tqdm.auto import tqdm
 
 from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
+from kvserve.inputs import PROMPT_KEYS, UNSUPPORTED_PROMPT_KEYS, PromptType, TextPrompt, TokensPrompt
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
-PromptType = str | list[int]
+__all__ = ["LLM", "PromptType", "TextPrompt", "TokensPrompt"]
+
 Message = dict[str, str]
+# One prompt ready for the engine: its text (when known), token ids and cache salt.
+_Encoded = tuple[str | None, list[int], str | None]
 
 
 class LLM:
@@ -45,36 +50,54 @@ class LLM:
         """Running / waiting requests, KV blocks used / total, prefix-cache counters, preemptions."""
         return self.engine.stats()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling_params uses: SamplingParams with the model's own defaults
+        (generation_config.json, or a GGUF file's general.sampling.* keys) unless
+        generation_config="none"."""
+        return SamplingParams(**self.engine.generation_defaults)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Generate for each prompt (a string or a list of token ids); outputs in prompt order.
+        """Generate for each prompt; outputs in prompt order. A prompt is a string, a list of token
+        ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids} dict (kvserve.inputs).
+        Without sampling_params, get_default_sampling_params() (the model's defaults).
 
         Every request is validated before any is queued: a bad one raises ValueError
         naming its index and field, and nothing runs.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, Sequence) or isinstance(prompts, str):
-            raise ValueError("prompts must be a string, a list of token ids, or a list of those")
+            raise ValueError("prompts must be a string, a list of token ids, a prompt dict, or a list of those")
         params = self._params_list(sampling_params, len(prompts))
         prios = list(priority) if priority is not None else [0] * len(prompts)
         if len(prios) != len(prompts):
             raise ValueError(f"priority has {len(prios)} entries for {len(prompts)} prompts")
         encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
+        if sampling_params is None:
+            params = [self._fit_default(p, toks) for p, (_, toks, _) in zip(params, encoded)]
         self._validate_all(encoded, params, prios)
         ids = []
-        for (text, toks), p, prio in zip(encoded, params, prios):
-            ids.append(self.engine.add_request(None, toks, p, prompt=text, priority=prio))
+        for (text, toks, salt), p, prio in zip(encoded, params, prios):
+            ids.append(self.engine.add_request(None, toks, p, prompt=text, priority=prio, cache_salt=salt))
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them and generate."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        token_lists = [self.apply_chat_template(c, add_generation_prompt, chat_template) for c in convs]
+        """Apply the model's chat template to one conversation or a list of them and generate;
+        one output per conversation, in order."""
+        convs = _conversations(messages)
+        single = isinstance(messages[0], dict)
+        token_lists = []
+        for i, conv in enumerate(convs):
+            try:
+                token_lists.append(self.apply_chat_template(conv, add_generation_prompt, chat_template))
+            except ValueError as e:
+                raise ValueError(str(e) if single else f"messages[{i}]: {e}") from None
         return self.generate(token_lists, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
@@ -92,11 +115,11 @@ class LLM:
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Generate for one prompt (n must be 1), yielding text as it is produced."""
-        params = sampling_params or SamplingParams()
+        text, toks, salt = self._encode(prompt, 0)
+        params = sampling_params or self._fit_default(self.get_default_sampling_params(), toks)
         if params.n != 1:
             raise ValueError("n must be 1 when streaming")
-        text, toks = self._encode(prompt, 0)
-        rid = self.engine.add_request(None, toks, params, prompt=text)
+        rid = self.engine.add_request(None, toks, params, prompt=text, cache_salt=salt)
         hold = params.stop_holdback
         sent = 0
         try:
@@ -117,10 +140,9 @@ class LLM:
 
     # ---- helpers ----------------------------------------------------------
 
-    @staticmethod
-    def _params_list(sp, n: int) -> list[SamplingParams]:
+    def _params_list(self, sp, n: int) -> list[SamplingParams]:
         if sp is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(sp, SamplingParams):
             return [sp] * n
         sp = list(sp)
@@ -128,19 +150,58 @@ class LLM:
             raise ValueError(f"sampling_params has {len(sp)} entries for {n} prompts")
         return sp
 
-    def _encode(self, prompt: PromptType, index: int) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"prompts[{index}]: prompt must not be empty")
-            return prompt, list(self.engine.tokenizer(prompt)["input_ids"])
-        if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
-        raise ValueError(f"prompts[{index}] must be a string or a list of token ids, got {type(prompt).__name__}")
+    def _fit_default(self, params: SamplingParams, toks: list[int]) -> SamplingParams:
+        """A max_tokens that came from the model's defaults is cut to the room the prompt leaves
+        (vLLM does the same); one the caller gives is checked as it is."""
+        room = self.engine.max_model_len - len(toks)
+        if "max_tokens" in self.engine.generation_defaults and params.max_tokens is not None \
+                and params.max_tokens > room >= max(1, params.min_tokens):
+            return dataclasses.replace(params, max_tokens=room)
+        return params
 
-    def _validate_all(self, encoded, params, prios) -> None:
-        for i, ((_, toks), p, prio) in enumerate(zip(encoded, params, prios)):
+    def _encode(self, prompt: PromptType, index: int) -> _Encoded:
+        if isinstance(prompt, dict):
+            return self._encode_dict(prompt, index)
+        if isinstance(prompt, str):
+            return prompt, self._tokenize(prompt, index), None
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt), None
+        raise ValueError(f"prompts[{index}] must be a string, a list of token ids, or a dict with 'prompt' or "
+                         f"'prompt_token_ids', got {type(prompt).__name__}")
+
+    def _tokenize(self, text: str, index: int) -> list[int]:
+        if not text:
+            raise ValueError(f"prompts[{index}]: prompt must not be empty")
+        return list(self.engine.tokenizer(text)["input_ids"])
+
+    def _encode_dict(self, prompt: dict, index: int) -> _Encoded:
+        """vLLM's TextPrompt / TokensPrompt (kvserve.inputs)."""
+        for key in prompt:
+            if key in UNSUPPORTED_PROMPT_KEYS:
+                raise ValueError(f"prompts[{index}]: {key!r} is not supported: kvserve runs text-only models "
+                                 "(give 'prompt' or 'prompt_token_ids')")
+            if key not in PROMPT_KEYS:
+                raise ValueError(f"prompts[{index}]: unknown key {key!r} in a prompt dict; the keys are "
+                                 f"{', '.join(map(repr, PROMPT_KEYS))}")
+        text, salt = prompt.get("prompt"), prompt.get("cache_salt")
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"prompts[{index}]: 'prompt' must be a string, got {type(text).__name__}")
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError(f"prompts[{index}]: 'cache_salt' must be a string, got {type(salt).__name__}")
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)):
+                raise ValueError(f"prompts[{index}]: 'prompt_token_ids' must be a list of token ids, "
+                                 f"got {type(ids).__name__}")
+            return text, list(ids), salt
+        if text is None:
+            raise ValueError(f"prompts[{index}]: a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        return text, self._tokenize(text, index), salt
+
+    def _validate_all(self, encoded: list[_Encoded], params, prios) -> None:
+        for i, ((_, toks, salt), p, prio) in enumerate(zip(encoded, params, prios)):
             try:
-                self.engine.validate(toks, p, prio)
+                self.engine.validate(toks, p, prio, salt)
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
 
@@ -166,3 +227,19 @@ class LLM:
         finally:
             bar.close()
         return [results[i] for i in ids]
+
+
+def _conversations(messages: Any) -> list:
+    """One conversation (a list of message dicts) or a list of them, as a list of conversations."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts, "
+                         "or a list of such conversations")
+    is_message = [isinstance(m, dict) for m in messages]
+    if all(is_message):
+        return [list(messages)]
+    if any(is_message):
+        i = is_message.index(not is_message[0])
+        raise ValueError(f"messages mixes messages and conversations (messages[0] is a "
+                         f"{type(messages[0]).__name__}, messages[{i}] a {type(messages[i]).__name__}): pass one "
+                         "conversation (a list of message dicts) or a list of conversations")
+    return list(messages)

@@ -255,18 +255,23 @@ class TierManager(KVConnector):
             req.num_blocks_written_through = max(req.num_blocks_written_through, full)
         if not todo:
             return
+        # The copy is taken now (the blocks may be reused after this step); encoding and the
+        # store's round trips happen on the writer thread.
         for (_, b), data in zip(todo, runner.read_kv_blocks([bid for bid, _ in todo])):
             try:
-                self._writes.put_nowait((self._write_new, (self.key(b.block_hash), self._encode(b, data),
-                                                           (b.block_hash, b.parent_hash))))
+                self._writes.put_nowait((self._write_new, (b, data)))
             except queue.Full:
                 self.writes_dropped += 1
 
-    def _write_new(self, key: bytes, blob: bytes, name: tuple[bytes, bytes]) -> None:
+    def _write_new(self, b: EvictedBlock, data: torch.Tensor) -> None:
         assert self.remote is not None
-        if not self.remote.contains(key) and self.remote.put(key, blob):
+        key = self.key(b.block_hash)
+        if self.remote.contains(key):
+            return
+        blob = self._encode(b, data)
+        if self.remote.put(key, blob):
             self.bytes_offloaded[REMOTE] += len(blob)
-            self._stored(REMOTE, key, name)
+            self._stored(REMOTE, key, (b.block_hash, b.parent_hash))
 
     # ---- KVConnector: prefetch from slow tiers -------------------------------------
 

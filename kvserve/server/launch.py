@@ -6,8 +6,10 @@
 The engine process gets the compute cores (--cpu-threads, --cpu-threads-bind); this one, which
 only tokenizes and speaks HTTP, keeps one torch thread.
 
-Ctrl-C / SIGTERM: the engine process is stopped first, so every open stream ends
-at once with an error event instead of running on; uvicorn then closes the
+Ctrl-C / SIGTERM, to this process, to the engine process or to both (a process-group signal:
+Ctrl-C in a terminal, systemd's default KillMode, `kill -- -PGID`): the engine stops after its
+current step, so every open stream ends at once with an error event instead of running on; it
+saves the KV tiers (the disk tier survives the restart) and exits; uvicorn closes the
 connections and the command exits with no process left behind.
 """
 
@@ -22,8 +24,9 @@ from typing import Any
 
 import uvicorn
 
-from kvserve.config import EngineConfig
+from kvserve.config import EngineConfig, parse_size
 from kvserve.engine_args import EXIT_BAD_INPUT, add_engine_args
+from kvserve.server.limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, h11_with_header_timeout
 
 DEFAULT_MAX_WAITING = 1024
 
@@ -40,6 +43,19 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
                    help="requests waiting for their first token beyond which new ones get 503 "
                         f"with Retry-After (default {DEFAULT_MAX_WAITING})")
+    g.add_argument("--max-request-bytes", type=_size, default=DEFAULT_MAX_REQUEST_BYTES, metavar="SIZE",
+                   help="larger request bodies get 413 before they are read (default 16MiB); prompts longer "
+                        "than max-model-len tokens can be are refused before they are tokenized")
+    g.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
+                   help="close a connection whose request headers are not complete this long after it "
+                        f"opened or after its last response (default {DEFAULT_HEADER_TIMEOUT_S:g})")
+
+
+def _size(value: str) -> int:
+    try:
+        return parse_size(value, "--max-request-bytes")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -49,6 +65,10 @@ def _check_args(args: argparse.Namespace) -> None:
         args.model = args.model_pos
     if args.max_waiting < 1:
         raise ValueError(f"--max-waiting must be at least 1, got {args.max_waiting}")
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be at least 1, got {args.max_request_bytes}")
+    if not args.header_timeout > 0:
+        raise ValueError(f"--header-timeout must be positive, got {args.header_timeout}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
 
@@ -74,9 +94,10 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
         info = engine.model_info
         model = config.model.model
         name = args.served_model_name or Path(model.rstrip("/") if model else info.model_path).stem
-        app = build_app(engine, tokenizer, name, api_key=args.api_key, max_waiting=args.max_waiting)
+        app = build_app(engine, tokenizer, name, api_key=args.api_key, max_waiting=args.max_waiting,
+                        max_request_bytes=args.max_request_bytes)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, http=h11_with_header_timeout(args.header_timeout))
         server = _Server(config, engine)
         print(f"kvserve: serving {name!r} ({info.model_path}) at http://{args.host}:{args.port}/v1\n"
               f"kvserve: try  curl http://{args.host}:{args.port}/v1/chat/completions -H "
@@ -95,6 +116,13 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self._engine = engine
         self._loop = asyncio.get_running_loop()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._engine.stop_signal is not None and not self.should_exit:  # the engine alone got it
+            print(f"kvserve: the engine process was stopped by {signal.Signals(self._engine.stop_signal).name}; "
+                  "stopping the server", file=sys.stderr, flush=True)
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._engine.shutdown()))

@@ -21,12 +21,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvserve
-from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.async_engine import AsyncEngine, EngineBusyError, EngineDeadError
 from kvserve.server import protocol as P
+from kvserve.server.dashboard import add_dashboard
+from kvserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.serving import APIError
 from kvserve.server.serving_chat import ChatServing
 from kvserve.server.serving_completion import CompletionServing
+from kvserve.server.serving_tokenize import TokenizeServing, add_tokenize_routes
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +73,22 @@ def _install_error_handlers(app: FastAPI) -> None:
                                         "internal_server_error"))
 
 
+async def _ask_engine(query: Any) -> Any:
+    """Await a query to the engine process; a dead or busy engine is a 503, never a traceback."""
+    try:
+        return await query
+    except EngineDeadError as e:
+        raise APIError(503, str(e), "service_unavailable") from None
+    except EngineBusyError as e:
+        raise APIError(503, f"{e}; try again", "service_unavailable", headers={"Retry-After": "1"}) from None
+
+
 def build_app(engine: AsyncEngine, tokenizer: Any, served_model_name: str, api_key: str | None = None,
-              max_waiting: int = 1024) -> FastAPI:
+              max_waiting: int = 1024, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     app = FastAPI(title="kvserve", version=kvserve.__version__)
     _install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    add_dashboard(app)
     metrics = ServerMetrics()
     completion = CompletionServing(engine, tokenizer, served_model_name, metrics, max_waiting)
     chat = ChatServing(engine, tokenizer, served_model_name, metrics, max_waiting)
@@ -84,6 +99,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any, served_model_name: str, api_k
             raise APIError(401, "invalid or missing API key", "authentication_error")
 
     v1 = [Depends(check_key)]
+    add_tokenize_routes(app, TokenizeServing(engine, tokenizer, served_model_name, metrics, max_waiting), v1)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -101,14 +117,15 @@ def build_app(engine: AsyncEngine, tokenizer: Any, served_model_name: str, api_k
 
     @app.get("/kv_cache/stats", dependencies=v1)
     async def kv_cache_stats() -> dict:
-        """KV cache and KV tier usage and counters (kvserve extension)."""
-        s = await engine.stats()
-        return {k: v for k, v in s.items() if k.startswith(("kv_", "prefix_cache_"))}
+        """KV cache and KV tier usage and counters (kvserve extension). A busy engine's latest
+        snapshot when it cannot answer at once; `stats_age_s` then says how old it is."""
+        s = await _ask_engine(engine.stats())
+        return {k: v for k, v in s.items() if k.startswith(("kv_", "prefix_cache_", "stats_age_s"))}
 
     @app.post("/kv_cache/clear", dependencies=v1)
     async def kv_cache_clear() -> dict:
         """Empty the prefix cache and every KV tier (kvserve extension)."""
-        return {"cleared": await engine.clear_kv_cache()}
+        return {"cleared": await _ask_engine(engine.clear_kv_cache())}
 
     @app.get("/kv_events")
     async def kv_events() -> dict:

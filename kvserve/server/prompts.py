@@ -19,6 +19,21 @@ class PromptError(ValueError):
         self.message, self.param = message, param
 
 
+def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
+    """Characters beyond which a text cannot fit in `max_model_len` tokens: no token stands for
+    more characters than its vocabulary entry is long (byte-level and SentencePiece entries spell
+    each byte or character at least once). Checked before tokenizing, so an oversized prompt
+    costs nothing."""
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return max_model_len * max(longest, 1)
+
+
+def check_prompt_chars(n: int, max_chars: int | None, param: str) -> None:
+    if max_chars is not None and n > max_chars:
+        raise PromptError(f"{param} is {n} characters long; no text over {max_chars} characters fits in the "
+                          "model's context (max-model-len tokens)", param)
+
+
 def _message_text(content: Any) -> str:
     """A message's content as one string: text parts joined, the only kind of part we take."""
     if isinstance(content, list):
@@ -29,9 +44,10 @@ def _message_text(content: Any) -> str:
     return content or ""
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], max_chars: int | None = None) -> list[int]:
     """Token ids of a chat: the model's chat template over the messages, with the generation
-    prompt. Messages are dicts with "role" and "content" (str, text parts, or None)."""
+    prompt. Messages are dicts with "role" and "content" (str, text parts, or None); their
+    text together may have at most `max_chars` characters (max_prompt_chars)."""
     msgs = []
     for m in messages:
         if not isinstance(m, dict):
@@ -39,6 +55,7 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]
         role = m.get("role")
         # OpenAI's "developer" role is the system prompt under another name; templates know "system".
         msgs.append({"role": "system" if role == "developer" else role, "content": _message_text(m.get("content"))})
+    check_prompt_chars(sum(len(m["content"]) for m in msgs), max_chars, "messages")
     if not getattr(tokenizer, "chat_template", None):
         raise PromptError("the model has no chat template; use /v1/completions", "messages")
     try:
@@ -49,9 +66,11 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def completion_prompt_ids(tokenizer: Any, prompt: Any) -> tuple[list[list[int]], list[str | None]]:
+def completion_prompt_ids(tokenizer: Any, prompt: Any,
+                          max_chars: int | None = None) -> tuple[list[list[int]], list[str | None]]:
     """Token ids of each prompt of a completion request (a string, a list of strings, token
-    ids, or a list of token id lists), and each prompt's text when it was given as text."""
+    ids, or a list of token id lists), and each prompt's text when it was given as text; a
+    text may have at most `max_chars` characters (max_prompt_chars)."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt, list) and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt:
@@ -61,5 +80,8 @@ def completion_prompt_ids(tokenizer: Any, prompt: Any) -> tuple[list[list[int]],
         # The server's schema rejects these first; a router reading a raw body may meet them.
         raise PromptError("prompt must be a string, a list of strings, a list of token ids "
                           "or a list of lists of token ids", "prompt")
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            check_prompt_chars(len(p), max_chars, "prompt" if len(prompt) == 1 else f"prompt[{i}]")
     ids = [list(tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p) for p in prompt]
     return ids, [p if isinstance(p, str) else None for p in prompt]

@@ -66,6 +66,33 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
 
 
+class TokenizeCompletionRequest(_Strict):
+    """POST /tokenize with a prompt (vLLM's schema): the ids /v1/completions computes."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Strict):
+    """POST /tokenize with messages (vLLM's schema): the ids /v1/chat/completions computes, so only
+    the values that endpoint uses are taken for add_generation_prompt, continue_final_message and
+    add_special_tokens (serving_tokenize.py says so in a 400)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
 # ---- responses (plain models; extra fields are ours to add) -----------------
 
 
@@ -165,6 +192,17 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -22,12 +23,20 @@ from kvserve.engine.engine_proc import CompletionDelta, RequestDelta
 from kvserve.sampling_params import SamplingParams
 from kvserve.server import protocol as P
 from kvserve.server.metrics import ServerMetrics
+from kvserve.server.prompts import PromptError, chat_prompt_ids, completion_prompt_ids, max_prompt_chars
 
 RETRY_AFTER_S = 1
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens")
 
+_MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens")
+
 Deltas = AsyncIterator[tuple[int, RequestDelta]]
+
+
+def _omitted(req: Any, name: str) -> bool:
+    """The client did not send the field, or sent null (vLLM treats both as "use the default")."""
+    return name not in req.model_fields_set or getattr(req, name) is None
 
 
 class APIError(Exception):
@@ -118,6 +127,11 @@ class Serving:
         self.max_waiting = max_waiting
         self.info = engine.model_info
 
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """Prompt text longer than this cannot fit in max_model_len tokens: refused untokenized."""
+        return max_prompt_chars(self.tokenizer, self.info.max_model_len)
+
     # ---- checks -------------------------------------------------------------
 
     def check_model(self, name: str | None) -> None:
@@ -125,10 +139,19 @@ class Serving:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            "not_found_error", "model")
 
-    @staticmethod
-    def sampling_params(req: P.CompletionRequest | P.ChatCompletionRequest, max_tokens: int | None,
-                        logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(self, req: P.CompletionRequest | P.ChatCompletionRequest, max_tokens: int | None,
+                        logprobs: int | None, prompt_logprobs: int | None = None,
+                        longest_prompt: int = 0) -> SamplingParams:
+        """The request's SamplingParams. A field it omits (or sends as null) takes the model's
+        default (--generation-config, ModelInfo.generation_defaults) when there is one; a max_tokens
+        taken so is cut to the room the longest prompt leaves, as vLLM does."""
         kwargs = {k: getattr(req, k) for k in _SAMPLING_FIELDS if getattr(req, k) is not None}
+        defaults = self.info.generation_defaults
+        kwargs.update({k: v for k, v in defaults.items() if k in _SAMPLING_FIELDS and _omitted(req, k)})
+        given = [k for k in _MAX_TOKENS_FIELDS if k in type(req).model_fields and not _omitted(req, k)]
+        if "max_tokens" in defaults and not given:
+            room = self.info.max_model_len - longest_prompt
+            max_tokens = min(defaults["max_tokens"], room) if room >= 1 else defaults["max_tokens"]
         try:
             return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs,
                                   prompt_logprobs=prompt_logprobs)
@@ -136,6 +159,20 @@ class Serving:
             name = str(e).split(" ", 1)[0]
             known = name in P.CompletionRequest.model_fields or name in P.ChatCompletionRequest.model_fields
             raise APIError(400, str(e), param=name if known else None) from None
+
+    def completion_ids(self, prompt: Any) -> tuple[list[list[int]], list[str | None]]:
+        """Token ids of each prompt of a completion request, and its text when given as text."""
+        try:
+            return completion_prompt_ids(self.tokenizer, prompt, self.max_prompt_chars)
+        except PromptError as e:
+            raise APIError(400, e.message, param=e.param) from None
+
+    def chat_ids(self, messages: list[P.ChatMessage]) -> list[int]:
+        """Token ids of a chat request's messages (the chat template, with the generation prompt)."""
+        try:
+            return chat_prompt_ids(self.tokenizer, [m.model_dump() for m in messages], self.max_prompt_chars)
+        except PromptError as e:
+            raise APIError(400, e.message, param=e.param) from None
 
     def check_prompt(self, toks: list[int], params: SamplingParams, field_name: str) -> None:
         """The engine's own checks (EngineCore.validate), made before anything is sent to it."""

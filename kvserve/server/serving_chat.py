@@ -8,7 +8,6 @@ from fastapi.responses import StreamingResponse
 
 from kvserve.engine.engine_proc import CompletionDelta
 from kvserve.server import protocol as P
-from kvserve.server.prompts import PromptError, chat_prompt_ids
 from kvserve.server.serving import Accum, APIError, Serving
 
 
@@ -18,8 +17,9 @@ class ChatServing(Serving):
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        toks = self._chat_tokens(req)
+        toks = self.chat_ids(req.messages)
+        params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                                      longest_prompt=len(toks))
         self.check_prompt(toks, params, "messages")
         deltas = await self.start([toks], params, req.cache_salt)
         acc, rid, k = Accum(req.n), P.new_id("chatcmpl"), req.top_logprobs or 0
@@ -50,12 +50,6 @@ class ChatServing(Serving):
                    for i, c in sorted(acc.choices.items())]
         return P.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
                                         usage=acc.usage()).model_dump()
-
-    def _chat_tokens(self, req: P.ChatCompletionRequest) -> list[int]:
-        try:
-            return chat_prompt_ids(self.tokenizer, [m.model_dump() for m in req.messages])
-        except PromptError as e:
-            raise APIError(400, e.message, param=e.param) from None
 
     def _logprobs(self, positions: list[dict], k: int) -> P.ChatLogprobs:
         content = []

@@ -15,7 +15,6 @@ from fastapi.responses import StreamingResponse
 
 from kvserve.engine.engine_proc import CompletionDelta
 from kvserve.server import protocol as P
-from kvserve.server.prompts import PromptError, completion_prompt_ids
 from kvserve.server.serving import Accum, APIError, Deltas, Serving
 
 
@@ -27,8 +26,8 @@ class CompletionServing(Serving):
         score_only = req.echo and req.max_tokens == 0
         max_tokens = 1 if score_only else req.max_tokens
         prompt_lps = req.logprobs if req.echo and req.logprobs is not None else None
-        params = self.sampling_params(req, max_tokens, req.logprobs, prompt_lps)
-        prompts, texts = self._encode(req.prompt)
+        prompts, texts = self.completion_ids(req.prompt)
+        params = self.sampling_params(req, max_tokens, req.logprobs, prompt_lps, max(map(len, prompts)))
         for p in prompts:
             self.check_prompt(p, params, "prompt")
         deltas = await self.start(prompts, params, req.cache_salt)
@@ -68,13 +67,6 @@ class CompletionServing(Serving):
                 index=idx, text=text, logprobs=lps, finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
 
         return chunk_for
-
-    def _encode(self, prompt: Any) -> tuple[list[list[int]], list[str | None]]:
-        """Token ids of each prompt, and its text when it was given as text."""
-        try:
-            return completion_prompt_ids(self.tokenizer, prompt)
-        except PromptError as e:
-            raise APIError(400, e.message, param=e.param) from None
 
 
 class _Echo:

@@ -184,3 +184,22 @@ def test_tiers_need_the_hash_prefix_cache(model_dir):
         _llm(model_dir, enable_prefix_caching=False, kv_offload_cpu="1MiB")
     with pytest.raises(ValueError, match="kv_remote"):
         _llm(model_dir, kv_remote="http://nope")
+
+
+@pytest.mark.parametrize("write_through", [None, False])
+def test_remote_write_through_is_the_default_and_can_be_turned_off(model_dir, redis_server, write_through):
+    """By default every newly computed full block goes to the shared store after its step, with
+    nothing evicted; with kv_remote_write_through=False only evicted blocks go there."""
+    extra = {} if write_through is None else {"kv_remote_write_through": write_through}
+    llm = _llm(model_dir, num_kv_blocks=64, kv_remote=redis_server.url, **extra)
+    try:
+        _run(llm, _prompts(1, 70, seed=11))  # 4 full blocks, none evicted from the 64-block pool
+        llm.engine.tiers.flush()
+        stats = llm.stats()
+        sent, entries = stats["kv_tier_remote_bytes_offloaded"], stats["kv_tier_remote_entries"]
+        if write_through is None:
+            assert entries == 4 and 4 * 8192 < sent < 4 * ENTRY, stats
+        else:
+            assert entries == 0 and sent == 0, stats
+    finally:
+        llm.close()

@@ -68,7 +68,8 @@ def test_server_reports_host_tier_hits(model_dir, tmp_path):
 
 
 def test_second_server_reuses_kv_the_first_computed(model_dir, redis_server, tmp_path):
-    args = [model_dir, *TINY_SERVER_ARGS, "--kv-remote", redis_server.url, "--kv-remote-write-through"]
+    """Write-through is the default: B reuses what A computed without A evicting anything."""
+    args = [model_dir, *TINY_SERVER_ARGS, "--kv-remote", redis_server.url]
     prompt = _prompt(1)
     with running_server(args, tmp_path / "a.log") as a, running_server(args, tmp_path / "b.log") as b:
         first = _complete(_client(a), prompt)

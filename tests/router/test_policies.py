@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
@@ -376,9 +377,9 @@ def test_chat_prompt_ids_are_the_servers(tokenizer):
     assert ours == list(ref["input_ids"])
     assert tokenizer.decode(ours).endswith("<|im_start|>assistant\n")
     # The server's path (validated pydantic messages) gives the same ids for the same raw body.
-    serving = object.__new__(ChatServing)  # only the tokenizer is needed to build the prompt
-    serving.tokenizer = tokenizer
-    assert serving._chat_tokens(P.ChatCompletionRequest(messages=RAW_MESSAGES)) == ours
+    serving = object.__new__(ChatServing)  # only the tokenizer and the context length build the prompt
+    serving.tokenizer, serving.info = tokenizer, SimpleNamespace(max_model_len=2048)
+    assert serving.chat_ids(P.ChatCompletionRequest(messages=RAW_MESSAGES).messages) == ours
 
 
 def test_prompt_errors_name_the_field(tokenizer):
@@ -391,9 +392,9 @@ def test_prompt_errors_name_the_field(tokenizer):
         chat_prompt_ids(tokenizer, image)
     assert e.value.param == "messages" and isinstance(e.value, ValueError)
     serving = object.__new__(ChatServing)
-    serving.tokenizer = tokenizer
+    serving.tokenizer, serving.info = tokenizer, SimpleNamespace(max_model_len=2048)
     with pytest.raises(APIError) as api:
-        serving._chat_tokens(P.ChatCompletionRequest(messages=image))
+        serving.chat_ids(P.ChatCompletionRequest(messages=image).messages)
     assert (api.value.status, api.value.message, api.value.param) == (400, "only text content parts are supported",
                                                                       "messages")
     bad_order = [{"role": "user", "content": "a"}]

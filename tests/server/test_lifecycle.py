@@ -6,33 +6,15 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.serving import (MODEL, PROMPT, TINY_SERVER_ARGS, child_pids, http_request, open_stream,
+from tests.serving import (MODEL, PROMPT, TINY_SERVER_ARGS, engine_pid, http_request, is_alive, open_stream,
                            running_server, sse_events)
 
 KEY = "sk-test-key"
 LONG = {"model": MODEL, "prompt": PROMPT, "max_tokens": 480, "temperature": 0, "ignore_eos": True,
         "stream": True}
-
-
-def _engine_pid(server_pid: int) -> int:
-    """The engine process: the server's child running multiprocessing's spawn_main (not its resource tracker)."""
-    for pid in child_pids(server_pid):
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"spawn_main" in cmd:
-            return pid
-    raise AssertionError(f"no engine process among the children of {server_pid}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.fixture
@@ -71,14 +53,19 @@ def test_api_key_and_max_waiting(model_dir, tmp_path):
 
 def test_engine_death_fails_open_streams_and_health(model_dir, tmp_path):
     with running_server([model_dir, *TINY_SERVER_ARGS], tmp_path / "log") as srv:
-        conn, resp = open_stream(srv.base, "/v1/completions", LONG)
-        events = sse_events(resp)
-        assert next(events)["choices"]
-        os.kill(_engine_pid(srv.proc.pid), signal.SIGKILL)
-        rest = list(events)  # must end, not hang
-        errors = [e for e in rest if isinstance(e, dict) and "error" in e]
-        assert errors and errors[0]["error"]["code"] == 500 and rest[-1] == "[DONE]"
-        conn.close()
+        streams = [open_stream(srv.base, "/v1/completions", LONG) for _ in range(8)]
+        events = [sse_events(resp) for _, resp in streams]
+        for ev in events:
+            assert next(ev)["choices"]
+        t0 = time.monotonic()
+        os.kill(engine_pid(srv.proc.pid), signal.SIGKILL)
+        for ev in events:
+            rest = list(ev)  # must end, not hang
+            errors = [e for e in rest if isinstance(e, dict) and "error" in e]
+            assert errors and errors[0]["error"]["code"] == 500 and rest[-1] == "[DONE]"
+        assert time.monotonic() - t0 < 10  # the liveness check runs every 0.5 s; a hang would be 60 s
+        for conn, _ in streams:
+            conn.close()
         assert http_request("GET", f"{srv.base}/health")[0] == 503
         status, body, _ = http_request("POST", f"{srv.v1}/completions", {"model": MODEL, "prompt": PROMPT})
         assert status == 500 and "engine" in json.loads(body)["error"]["message"]
@@ -89,7 +76,7 @@ def test_engine_death_fails_open_streams_and_health(model_dir, tmp_path):
 def test_stop_signal_ends_streams_and_leaves_no_process(model_dir, tmp_path, sig):
     """SIGTERM (kill, systemd) and SIGINT (Ctrl-C) both stop the server cleanly."""
     with running_server([model_dir, *TINY_SERVER_ARGS], tmp_path / "log") as srv:
-        engine_pid = _engine_pid(srv.proc.pid)
+        engine = engine_pid(srv.proc.pid)
         conn, resp = open_stream(srv.base, "/v1/completions", LONG)
         events = sse_events(resp)
         assert next(events)["choices"]
@@ -101,6 +88,6 @@ def test_stop_signal_ends_streams_and_leaves_no_process(model_dir, tmp_path, sig
         assert srv.proc.wait(30) == 0, srv.log_text()
         assert time.monotonic() - t0 < 15
         deadline = time.monotonic() + 10
-        while _alive(engine_pid) and time.monotonic() < deadline:
+        while is_alive(engine) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(engine_pid), "the engine process outlived the server"
+        assert not is_alive(engine), "the engine process outlived the server"

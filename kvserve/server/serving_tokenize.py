@@ -1,0 +1,74 @@
+"""POST /tokenize and POST /detokenize, as vLLM serves them (same paths, bodies and answers).
+
+/tokenize takes a prompt ({"prompt": text}) or a chat ({"messages": [...]}) and answers
+{"count", "max_model_len", "tokens", "token_strs"}: the very ids /v1/completions and
+/v1/chat/completions compute (kvserve/server/prompts.py), so a client can count or cache-key
+a prompt before sending it. /detokenize turns {"tokens": [...]} back into {"prompt": text}.
+Both need the API key when one is set, like the /v1 routes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Body, FastAPI
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+
+from kvserve.server import protocol as P
+from kvserve.server.serving import APIError, Serving
+
+
+class TokenizeServing(Serving):
+    def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        req = _parse(P.TokenizeChatRequest if "messages" in body else P.TokenizeCompletionRequest, body)
+        self.check_model(req.model)
+        toks = self._chat_ids(req) if isinstance(req, P.TokenizeChatRequest) else self._prompt_ids(req)
+        strs = list(self.tokenizer.convert_ids_to_tokens(toks)) if req.return_token_strs else None
+        return P.TokenizeResponse(count=len(toks), max_model_len=self.info.max_model_len, tokens=toks,
+                                  token_strs=strs).model_dump()
+
+    def detokenize(self, req: P.DetokenizeRequest) -> dict[str, Any]:
+        self.check_model(req.model)
+        vocab = self.info.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+        return P.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens)).model_dump()
+
+    def _prompt_ids(self, req: P.TokenizeCompletionRequest) -> list[int]:
+        if req.add_special_tokens:  # what /v1/completions does with a text prompt
+            return self.completion_ids(req.prompt)[0][0]
+        return list(self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"])
+
+    def _chat_ids(self, req: P.TokenizeChatRequest) -> list[int]:
+        # /v1/chat/completions renders the template with the generation prompt and adds no
+        # special tokens of its own; other values would give ids that endpoint never computes.
+        for name, used in (("add_generation_prompt", True), ("continue_final_message", False),
+                           ("add_special_tokens", False)):
+            if getattr(req, name) != used:
+                raise APIError(400, f"{name}={str(not used).lower()} is not supported: /tokenize gives the ids "
+                               f"/v1/chat/completions computes, which uses {name}={str(used).lower()}", param=name)
+        return self.chat_ids(req.messages)
+
+
+def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    """The body as `model`; a bad one answers 400 naming the field, like FastAPI's own checks."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False)) from None
+
+
+def add_tokenize_routes(app: FastAPI, serving: TokenizeServing, dependencies: list[Any]) -> None:
+    """POST /tokenize and /detokenize; `dependencies` checks the API key."""
+
+    @app.post("/tokenize", dependencies=dependencies)
+    async def tokenize(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
+        # Chat or prompt is decided by the "messages" key, so a bad body's 400 names the fields
+        # of the one the client meant, not those of both.
+        return serving.tokenize(body)
+
+    @app.post("/detokenize", dependencies=dependencies)
+    async def detokenize(req: P.DetokenizeRequest) -> dict[str, Any]:
+        return serving.detokenize(req)
