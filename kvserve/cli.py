@@ -11,17 +11,17 @@ from kvserve.config import EngineConfig
 from kvserve.engine_args import EXIT_BAD_INPUT, add_engine_args
 
 
+# What `generate` / `chat` use for a flag not given when the model has no default of its own
+# (--generation-config: a model's generation_config.json or GGUF sampling keys come first).
+SAMPLING_FALLBACKS = {"max_tokens": 128, "min_tokens": 0, "temperature": 0.0, "top_p": 1.0, "top_k": -1,
+                      "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--min-tokens", type=int, default=0)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g = p.add_argument_group("sampling (a flag not given takes the model's default, see --generation-config, "
+                             "else the value shown)")
+    for name, value in SAMPLING_FALLBACKS.items():
+        g.add_argument("--" + name.replace("_", "-"), type=type(value), default=None, help=f"(default {value})")
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
@@ -33,19 +33,21 @@ def engine_from_args(args: argparse.Namespace):
     return LLM(config=EngineConfig.from_cli_args(args))
 
 
-def sampling_from_args(args: argparse.Namespace):
+def sampling_from_args(args: argparse.Namespace, model_defaults: dict | None = None):
+    """The flags given, then the model's own defaults (LLM.engine.generation_defaults; not its
+    max_tokens), then SAMPLING_FALLBACKS."""
     from kvserve import SamplingParams
 
-    return SamplingParams(
-        max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    # A model's max_new_tokens is meant for long answers; the CLI keeps its own length unless given.
+    model = {k: v for k, v in (model_defaults or {}).items() if k in SAMPLING_FALLBACKS and k != "max_tokens"}
+    values = {**SAMPLING_FALLBACKS, **model}
+    values.update({k: getattr(args, k) for k in SAMPLING_FALLBACKS if getattr(args, k) is not None})
+    return SamplingParams(**values, seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    params = sampling_from_args(args)
     llm = engine_from_args(args)
+    params = sampling_from_args(args, llm.engine.generation_defaults)
     prompt = args.prompt
     if args.chat:
         prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
@@ -60,8 +62,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    params = sampling_from_args(args)
     llm = engine_from_args(args)
+    params = sampling_from_args(args, llm.engine.generation_defaults)
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})

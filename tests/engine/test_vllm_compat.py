@@ -182,3 +182,20 @@ def test_generation_config_bad_folder(tiny_model_factory, tmp_path):
     with pytest.raises(ValueError, match="must be auto, none, or a directory holding generation_config.json"):
         LLM(model=str(tiny_model_factory("llama")), dtype="float32", num_kv_blocks=16,
             generation_config=str(tmp_path))
+
+
+def test_cli_sampling_flags_over_model_defaults_over_fallbacks():
+    """`kvserve generate` / `chat`: a flag given wins, then the model's default, then the CLI's own."""
+    import argparse
+
+    from kvserve.cli import add_sampling_args, sampling_from_args
+
+    p = argparse.ArgumentParser()
+    add_sampling_args(p)
+    model = {"temperature": 0.6, "top_k": 20, "max_tokens": 4096}
+    plain = sampling_from_args(p.parse_args([]))
+    assert (plain.temperature, plain.top_k, plain.max_tokens) == (0.0, -1, 128)
+    from_model = sampling_from_args(p.parse_args([]), model)
+    assert (from_model.temperature, from_model.top_k, from_model.max_tokens) == (0.6, 20, 128)
+    given = sampling_from_args(p.parse_args(["--temperature", "0", "--max-tokens", "7"]), model)
+    assert (given.temperature, given.top_k, given.max_tokens) == (0.0, 20, 7)
