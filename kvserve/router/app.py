@@ -1,6 +1,7 @@
 """The router's HTTP front: the OpenAI routes of a replica, served by whichever replica the
-policy picks, plus /health, /replicas and /metrics about the router itself, and the live
-/dashboard of the router and each replica (server/dashboard.py).
+policy picks (/v1/models, /tokenize and /detokenize by any healthy one), plus /health, /replicas
+and /metrics about the router itself, and the live /dashboard of the router and each replica
+(server/dashboard.py).
 
     kvserve router --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 --policy session
 
@@ -11,6 +12,7 @@ OpenAI shape a replica uses; errors a replica makes pass through unchanged.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kvserve
 from kvserve.router.policies import make_policy
 from kvserve.router.policy import Policy
-from kvserve.router.proxy import Proxy, RouterMetrics, error_body
+from kvserve.router.proxy import FORWARD_HEADERS, REPLICA_HEADER, Proxy, RouterMetrics, describe, error_body
 from kvserve.router.replicas import DEFAULT_HEALTH_INTERVAL, HEALTH_TIMEOUT, ReplicaSet
 from kvserve.server.dashboard import add_dashboard
 
@@ -112,18 +114,44 @@ def build_app(router: Router) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await proxy.handle("chat", "/v1/chat/completions", await request.body(), request.headers)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        auth = {"authorization": a} if (a := request.headers.get("authorization")) else {}
-        for r in replicas.healthy():
+    turns = itertools.count()
+
+    async def any_replica(request: Request, what: str) -> Response:
+        """The request (body and headers as sent) answered by a healthy replica, the next one
+        when it cannot be reached, its status and body unchanged: for routes any replica
+        answers alike."""
+        fwd = {k: v for k in FORWARD_HEADERS if (v := request.headers.get(k)) is not None}
+        body = await request.body()
+        failures = []
+        healthy = replicas.healthy()
+        turn = next(turns) % len(healthy) if healthy else 0  # spread the load: each call starts one further
+        for r in healthy[turn:] + healthy[:turn]:
             try:
-                resp = await router.client.get(f"{r.url}/v1/models", headers=auth)
-            except httpx.TransportError:
+                resp = await router.client.request(request.method, f"{r.url}{request.url.path}", content=body,
+                                                   headers=fwd)
+            except httpx.TransportError as e:
+                logger.warning("router: %s failed on %s (%s); trying another replica", r.url, request.url.path,
+                               describe(e))
+                failures.append(f"{r.url}: {describe(e)}")
                 replicas.check_soon(r)
                 continue
-            return Response(resp.content, status_code=resp.status_code,
-                            media_type=resp.headers.get("content-type"))
-        return _error(503, "no healthy replica to list the models", "service_unavailable", {"Retry-After": "1"})
+            return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"),
+                            headers={REPLICA_HEADER: r.url})
+        why = f"no replica could {what}: {'; '.join(failures)}" if failures else f"no healthy replica to {what}"
+        return _error(503, why, "service_unavailable", {"Retry-After": "1"})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await any_replica(request, "list the models")
+
+    # vLLM's /tokenize and /detokenize: the replicas share the model and its tokenizer.
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await any_replica(request, "tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await any_replica(request, "detokenize")
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "kvserve_router:"
 RETRY_AFTER_S = 1
-_FORWARD_HEADERS = ("authorization", "content-type", "accept")
+FORWARD_HEADERS = ("authorization", "content-type", "accept")
 _REPLY_HEADERS = ("content-type", "retry-after")
 REPLICA_HEADER = "x-kvserve-replica"  # added to every reply: the replica that answered
 # HF fast tokenizers reset their truncation state on every call and raise "Already borrowed"
@@ -206,7 +206,7 @@ class Proxy:
                                           self.policy.needs_tokens)
         else:
             req = build_route_request(kind, body, headers, None, False)
-        fwd = {k: v for k in _FORWARD_HEADERS if (v := headers.get(k)) is not None}
+        fwd = {k: v for k in FORWARD_HEADERS if (v := headers.get(k)) is not None}
         stream = body.get("stream") is True
         tried: set[str] = set()
         failures: list[str] = []

@@ -44,10 +44,37 @@ def _message_text(content: Any) -> str:
     return content or ""
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], max_chars: int | None = None) -> list[int]:
+# Names apply_chat_template or its template renderer take for themselves: a template variable
+# (chat_template_kwargs) by one of these names would change what is computed, not the template's input.
+_RESERVED_TEMPLATE_VARS = frozenset({
+    "messages", "conversation", "conversations", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], max_chars: int | None = None, *,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    add_special_tokens: bool = False,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of a chat: the model's chat template over the messages, with the generation
     prompt. Messages are dicts with "role" and "content" (str, text parts, or None); their
-    text together may have at most `max_chars` characters (max_prompt_chars)."""
+    text together may have at most `max_chars` characters (max_prompt_chars).
+
+    The defaults are what /v1/chat/completions computes (and the router hashes). /tokenize also
+    takes vLLM's other options, with apply_chat_template's meaning: `continue_final_message`
+    leaves the last message open for the model to go on with (instead of the generation prompt;
+    not both), `add_special_tokens` has the tokenizer add its own (BOS...) to the rendered text,
+    `chat_template_kwargs` are extra variables for the template (e.g. enable_thinking)."""
+    if add_generation_prompt and continue_final_message:
+        raise PromptError("add_generation_prompt and continue_final_message cannot both be true: the first "
+                          "starts a new assistant message, the second continues the last one", "continue_final_message")
+    extra = dict(chat_template_kwargs or {})
+    if reserved := sorted(_RESERVED_TEMPLATE_VARS.intersection(extra)):
+        raise PromptError(f"chat_template_kwargs may not set {', '.join(reserved)}: only variables for the "
+                          "template itself (add_generation_prompt and continue_final_message are fields of "
+                          "the request)", "chat_template_kwargs")
+    if continue_final_message:
+        extra["continue_final_message"] = True
     msgs = []
     for m in messages:
         if not isinstance(m, dict):
@@ -59,7 +86,11 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], max_chars: i
     if not getattr(tokenizer, "chat_template", None):
         raise PromptError("the model has no chat template; use /v1/completions", "messages")
     try:
-        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        if add_special_tokens:  # vLLM: render the text, then tokenize it as a prompt is
+            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                                 **extra)
+            return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=True, **extra)
     except Exception as e:  # noqa: BLE001 - templates raise their own errors (e.g. role order)
         raise PromptError(f"the chat template rejected the messages: {e}", "messages") from None
     # Newer transformers return a BatchEncoding here, older ones a plain list.

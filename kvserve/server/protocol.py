@@ -76,15 +76,17 @@ class TokenizeCompletionRequest(_Strict):
 
 
 class TokenizeChatRequest(_Strict):
-    """POST /tokenize with messages (vLLM's schema): the ids /v1/chat/completions computes, so only
-    the values that endpoint uses are taken for add_generation_prompt, continue_final_message and
-    add_special_tokens (serving_tokenize.py says so in a 400)."""
+    """POST /tokenize with messages (vLLM's schema): with the defaults, the ids /v1/chat/completions
+    computes; the options change them as apply_chat_template does (prompts.chat_prompt_ids). A
+    chat_template of the request's own is refused (serving_tokenize.py says why in a 400)."""
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = False
 
 

@@ -3,7 +3,11 @@
 /tokenize takes a prompt ({"prompt": text}) or a chat ({"messages": [...]}) and answers
 {"count", "max_model_len", "tokens", "token_strs"}: the very ids /v1/completions and
 /v1/chat/completions compute (kvserve/server/prompts.py), so a client can count or cache-key
-a prompt before sending it. /detokenize turns {"tokens": [...]} back into {"prompt": text}.
+a prompt before sending it. A chat also takes vLLM's add_generation_prompt (default true),
+continue_final_message (default false; not both true), add_special_tokens (default false) and
+chat_template_kwargs, which change the ids as transformers' apply_chat_template does; a
+chat_template of the request's own is refused. /detokenize turns {"tokens": [...]} back into
+{"prompt": text}.
 Both need the API key when one is set, like the /v1 routes.
 """
 
@@ -16,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from kvserve.server import protocol as P
+from kvserve.server.prompts import PromptError, chat_prompt_ids
 from kvserve.server.serving import APIError, Serving
 
 
@@ -42,14 +47,19 @@ class TokenizeServing(Serving):
         return list(self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"])
 
     def _chat_ids(self, req: P.TokenizeChatRequest) -> list[int]:
-        # /v1/chat/completions renders the template with the generation prompt and adds no
-        # special tokens of its own; other values would give ids that endpoint never computes.
-        for name, used in (("add_generation_prompt", True), ("continue_final_message", False),
-                           ("add_special_tokens", False)):
-            if getattr(req, name) != used:
-                raise APIError(400, f"{name}={str(not used).lower()} is not supported: /tokenize gives the ids "
-                               f"/v1/chat/completions computes, which uses {name}={str(used).lower()}", param=name)
-        return self.chat_ids(req.messages)
+        if req.chat_template is not None:
+            # A template is code run by the server; vLLM too refuses one from a request unless
+            # started with --trust-request-chat-template.
+            raise APIError(400, "chat_template is not supported: /tokenize renders the model's own chat "
+                           "template (chat_template_kwargs can pass it variables)", param="chat_template")
+        try:
+            return chat_prompt_ids(self.tokenizer, [m.model_dump() for m in req.messages], self.max_prompt_chars,
+                                   add_generation_prompt=req.add_generation_prompt,
+                                   continue_final_message=req.continue_final_message,
+                                   add_special_tokens=req.add_special_tokens,
+                                   chat_template_kwargs=req.chat_template_kwargs)
+        except PromptError as e:
+            raise APIError(400, e.message, param=e.param) from None
 
 
 def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:

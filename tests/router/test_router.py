@@ -146,6 +146,24 @@ def test_body_and_authorization_reach_the_replica_unchanged(routers, fake):
     assert (path, got, seen["authorization"]) == ("/v1/completions", raw, "Bearer sk-client")
 
 
+def test_tokenize_routes_forward_to_a_replica_unchanged(routers, fake):
+    base = routers["fake"].base
+    for path in ("/tokenize", "/detokenize"):
+        raw = b'{"prompt":  "odd   spacing",\n "tokens": [1]}'
+        status, body, hdrs = http_request("POST", f"{base}{path}", raw, {"Authorization": "Bearer sk-client"})
+        assert (status, json.loads(body), hdrs[REPLICA]) == (200, {"ok": True}, fake.url)
+        got_path, seen, got = fake.posts[-1]
+        assert (got_path, got, seen["authorization"]) == (path, raw, "Bearer sk-client")
+    fake.mode = "503"  # the replica's own error comes back as it is: not retried, not rewritten
+    status, body, _ = http_request("POST", f"{base}/tokenize", {"prompt": "x"})
+    assert (status, json.loads(body)["error"]["message"]) == (503, "fake overloaded")
+    fake.mode = "reset"  # the only replica cannot be reached
+    status, body, hdrs = http_request("POST", f"{base}/detokenize", {"tokens": [1]})
+    err = json.loads(body)["error"]
+    assert (status, err["type"], err["code"], hdrs["retry-after"]) == (503, "service_unavailable", 503, "1")
+    assert err["message"].startswith(f"no replica could detokenize: {fake.url}: "), err
+
+
 def test_5xx_and_reset_are_retried_on_another_replica(routers, fake, cluster):
     mixed = routers["mixed"]
     for mode in ("503", "reset"):
@@ -194,6 +212,9 @@ def test_no_replica_left_is_503_in_the_openai_shape(routers, fake):
     assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
     status, body, _ = complete(base)
     assert status == 503 and "no replica is healthy" in body["error"]["message"]
+    status, body, _ = http_request("POST", f"{base}/tokenize", {"prompt": "x"})
+    assert (status, json.loads(body)) == (503, {"error": {"message": "no healthy replica to tokenize",
+                                                          "type": "service_unavailable", "param": None, "code": 503}})
     fake.health = 200
     wait_until("the fake to be taken back", lambda: routers["fake"].replicas()[fake.url]["healthy"])
 
@@ -301,6 +322,27 @@ def test_models_health_and_metrics(routers, cluster):
     assert sum(v for k, v in m.items() if k.startswith("kvserve_router:requests_total") and 'status="200"' in k) >= 1
     text = http_request("GET", f"{rr.base}/metrics")[1].decode()
     assert "# TYPE kvserve_router:retries_total counter" in text
+
+
+def test_tokenize_and_detokenize_through_the_router(routers, cluster):
+    rr, urls = routers["rr"], {r.url for r in cluster}
+    chat = {"messages": [{"role": "user", "content": "Name a colour."}], "return_token_strs": True}
+    for body in ({"prompt": "Hello, my name is"}, chat, {"prompt": "x", "suffix": "y"}):
+        via = http_request("POST", f"{rr.base}/tokenize", body)
+        direct = http_request("POST", f"{cluster[0].url}/tokenize", body)
+        assert via[:2] == direct[:2] and via[0] in (200, 400), via  # status and body byte for byte
+        assert via[2]["content-type"] == direct[2]["content-type"] == "application/json"
+    served = set()
+    for _ in range(3):  # any replica answers; they take turns
+        status, body, hdrs = http_request("POST", f"{rr.base}/tokenize",
+                                          {"prompt": "Hello, my name is", "add_special_tokens": False})
+        assert status == 200, body
+        served.add(hdrs[REPLICA])
+    assert served == urls
+    status, back, _ = http_request("POST", f"{rr.base}/detokenize", {"tokens": json.loads(body)["tokens"]})
+    assert (status, json.loads(back)) == (200, {"prompt": "Hello, my name is"})
+    via, direct = (http_request("POST", f"{b}/detokenize", {"tokens": [-1]}) for b in (rr.base, cluster[0].url))
+    assert via[:2] == direct[:2] and via[0] == 400
 
 
 def session_homes(cluster: list[Replica], keys: list[str], without: str | None = None) -> dict[str, str]:

@@ -54,6 +54,62 @@ def test_tokenize_chat_gives_the_chat_endpoints_ids(server, tokenizer):
     assert chat["choices"][0]["message"]["content"] == completion["choices"][0]["text"]
 
 
+PARTIAL = [*MESSAGES, {"role": "assistant", "content": "The fox"}]  # an answer begun, to continue
+
+
+def reference_ids(tokenizer, messages: list[dict], add_special_tokens: bool = False, **options) -> list[int]:
+    """transformers' own ids for the options (vLLM's /tokenize: the rendered text, tokenized with
+    add_special_tokens when asked)."""
+    options = {"add_generation_prompt": True, **options}
+    if add_special_tokens:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **options)
+        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **options)["input_ids"])
+
+
+@pytest.mark.parametrize("messages, options", [
+    (MESSAGES, {"add_generation_prompt": False}),
+    (PARTIAL, {"add_generation_prompt": False, "continue_final_message": True}),
+    (MESSAGES, {"add_special_tokens": True}),
+    (MESSAGES, {"add_generation_prompt": False, "add_special_tokens": True}),
+    (MESSAGES, {"chat_template_kwargs": {"enable_thinking": False}}),
+])
+def test_tokenize_chat_options_give_transformers_ids(server, tokenizer, messages, options):
+    status, body = post(server, "/tokenize", {"model": MODEL, "messages": messages, **options})
+    assert status == 200, body
+    ref_options = {k: v for k, v in options.items() if k != "chat_template_kwargs"}
+    expected = reference_ids(tokenizer, messages, **ref_options, **options.get("chat_template_kwargs", {}))
+    assert body["tokens"] == expected and body["count"] == len(expected)
+    assert body["tokens"] == chat_prompt_ids(tokenizer, messages, **options)
+
+
+def test_chat_options_change_the_ids_as_transformers_does(tokenizer):
+    """Without a server, on a tokenizer whose options all make a difference: one that adds a BOS and
+    a template that reads a variable (the tiny model's adds none and reads none)."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.add_bos_token = True
+    tok.chat_template = "{% if think %}<think>{% endif %}" + tok.chat_template
+    default = chat_prompt_ids(tok, MESSAGES)
+    assert default == reference_ids(tok, MESSAGES) == chat_prompt_ids(tokenizer, MESSAGES)  # no BOS, no think
+    assert tok.decode(default).endswith("<|im_start|>assistant\n")
+    cases = [({"add_generation_prompt": False}, MESSAGES, {"add_generation_prompt": False}),
+             ({"add_generation_prompt": False, "continue_final_message": True}, PARTIAL,
+              {"add_generation_prompt": False, "continue_final_message": True}),
+             ({"add_special_tokens": True}, MESSAGES, {"add_special_tokens": True}),
+             ({"chat_template_kwargs": {"think": True}}, MESSAGES, {"think": True})]
+    seen = [default]
+    for options, messages, ref in cases:
+        ids = chat_prompt_ids(tok, messages, **options)
+        assert ids == reference_ids(tok, messages, **ref), options
+        seen.append(ids)
+    assert len({tuple(ids) for ids in seen}) == len(seen)  # every option made a difference
+    assert tok.decode(seen[1]).endswith("<|im_end|>\n") and tok.decode(seen[2]).endswith("The fox")
+    assert seen[3] == [tok.bos_token_id, *default]
+    assert tok.decode(seen[4]).startswith("<think>")
+
+
 def test_detokenize_round_trip(server, tokenizer):
     toks = list(tokenizer(PROMPT)["input_ids"])
     status, body = post(server, "/detokenize", {"model": MODEL, "tokens": toks})
@@ -74,12 +130,14 @@ def test_detokenize_round_trip(server, tokenizer):
     ("/tokenize", {"messages": []}, 400, "messages", "messages: List should have at least 1 item"),
     ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role", "messages.0.role"),
     ("/tokenize", {"messages": MESSAGES, "prompt": "a"}, 400, "prompt", "unknown field 'prompt'"),
-    ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}, 400, "add_generation_prompt",
-     "add_generation_prompt=false is not supported"),
     ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message",
-     "continue_final_message=true is not supported"),
-    ("/tokenize", {"messages": MESSAGES, "add_special_tokens": True}, 400, "add_special_tokens",
-     "add_special_tokens=true is not supported"),
+     "add_generation_prompt and continue_final_message cannot both be true"),
+    ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ messages }}"}, 400, "chat_template",
+     "chat_template is not supported"),
+    ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": False, "messages": []}}, 400,
+     "chat_template_kwargs", "chat_template_kwargs may not set messages, tokenize"),
+    ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": ["x"]}, 400, "chat_template_kwargs",
+     "Input should be a valid dictionary"),
     ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
      "messages", "only text content parts are supported"),
     ("/tokenize", ["not", "an", "object"], 400, None, "Input should be a valid dictionary"),
