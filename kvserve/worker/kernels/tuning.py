@@ -7,7 +7,8 @@ kernels' source, so a changed kernel is measured again):
 
 - `choose_dtype` (before the model is built, for `--dtype auto` on a CPU): float32 or bfloat16
   (float16 too where the CPU computes it natively), by the time of a dense linear of the model's
-  hidden x intermediate shape at a decode-sized (1 row) and a prefill-sized (256 rows) batch.
+  hidden x intermediate shape at a decode-sized (1 row) and a prefill-sized (256 rows) batch; a
+  lower precision than float32 only when clearly faster (`pick_dtype`).
 - `tune_linears` (after loading, for linears stored as Blocks): int8 or float32 activations for
   the quantized kernel (by its time at 1 row; int8 only with KVSERVE_INT8_ACTIVATIONS=1), and per
   weight shape the batch size from which
@@ -35,6 +36,7 @@ from kvserve.worker.kernels import build, cpu, qmatmul
 logger = logging.getLogger(__name__)
 
 DECODE_ROWS, PREFILL_ROWS = 1, 256
+LOWER_PRECISION_GAIN = 1.25  # pick_dtype: how much faster than float32 a lower precision must be
 GRID = (2, 4, 8, 16, 32, 64, 128, 256)  # batch sizes at which the dense path is tried against the kernel
 NEVER = 1 << 30  # dense_from when the kernel wins at every size measured
 DEFAULT_DENSE_FROM = 32  # before (or without) tuning
@@ -115,16 +117,28 @@ def choose_dtype(hidden: int, intermediate: int) -> torch.dtype:
 
     result, how = _cached("dtype", [hidden, intermediate, names], measure)
     times = result["times"]
-
-    def cost(name: str) -> float:  # seconds per token, decode + prefill
-        t = times[name]
-        return t[str(DECODE_ROWS)] / DECODE_ROWS + t[str(PREFILL_ROWS)] / PREFILL_ROWS
-
-    best = min(names, key=cost)
+    best = pick_dtype(times)
     logger.info("dtype auto -> %s (%s; linear %dx%d: %s)", best, how, intermediate, hidden,
                 ", ".join(f"{n} {times[n][str(DECODE_ROWS)] * 1e6:.0f} us at 1 row / "
                           f"{times[n][str(PREFILL_ROWS)] * 1e3:.2f} ms at {PREFILL_ROWS}" for n in names))
     return getattr(torch, best)
+
+
+def pick_dtype(times: dict[str, dict[str, float]]) -> str:
+    """The rule for `--dtype auto`: the dtype with the least time per token (one decode-sized plus
+    one prefill-sized token, times[name][rows] seconds), where a lower precision than float32 must
+    be at least LOWER_PRECISION_GAIN times faster to be taken. It costs accuracy (the default
+    model's greedy answers change in bfloat16), and a near tie is within the noise of a one-off
+    measurement that is then cached: on an AVX2 CPU bfloat16 halves the bytes a 1-row matmul reads
+    but is several times slower at 256 rows, so a noisy decode timing alone could choose it."""
+    def cost(name: str) -> float:
+        t = times[name]
+        return t[str(DECODE_ROWS)] / DECODE_ROWS + t[str(PREFILL_ROWS)] / PREFILL_ROWS
+
+    best = min(times, key=cost)
+    if best != "float32" and "float32" in times and cost(best) * LOWER_PRECISION_GAIN > cost("float32"):
+        return "float32"
+    return best
 
 
 def choose(times: dict, counts: dict[str, int], allow_int8: bool = True) -> dict:
