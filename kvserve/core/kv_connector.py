@@ -52,6 +52,11 @@ class KVConnector(ABC):
         request's prompt that can be onloaded in this step. Takes nothing out of any tier."""
 
     @abstractmethod
+    def count_lookup(self, request: Request) -> None:
+        """The request was scheduled with its last lookup's hits: count that lookup in the tier
+        hit rates (a request that waits for room looks up again every step; it counts once)."""
+
+    @abstractmethod
     def prefetch(self, request: Request, num_device_blocks: int) -> bool:
         """A new request whose first num_device_blocks blocks are on the device: start
         bringing its next blocks up from slow tiers. True if it should wait for `poll`."""

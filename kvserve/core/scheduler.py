@@ -215,6 +215,8 @@ class Scheduler:
             out.kv_onload.extend(zip(blocks, hits))  # the first new blocks take the loaded K/V
             if looked_up:
                 self.kv.count_lookup(req, num_cached)
+                if self.connector is not None and not req.skip_prefix_cache:
+                    self.connector.count_lookup(req)
             num_cached += num_loaded
             req.num_computed_tokens = num_cached + num_new
             if req.num_cached_tokens < 0:

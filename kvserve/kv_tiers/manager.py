@@ -105,6 +105,7 @@ class TierManager(KVConnector):
         self._fetching: set[str] = set()  # requests with a prefetch queued or running
         self._cancelled: set[str] = set()  # ... of those, the ones finished meanwhile
         self.stats_tokens: dict[str, int] = defaultdict(int)  # "<tier>_queries" / "<tier>_hits", in tokens
+        self._lookups: dict[str, tuple[int, int]] = {}  # request id -> its last lookup's (queried, found)
         self.bytes_offloaded: dict[str, int] = defaultdict(int)
         self.bytes_onloaded = 0
         self.writes_dropped = 0
@@ -149,10 +150,12 @@ class TierManager(KVConnector):
         return out
 
     def lookup(self, request: Request, start_block: int, max_blocks: int) -> list[TierHit]:
+        self._lookups.pop(request.request_id, None)
         if start_block >= max_blocks:
             return []
         hashes = compute_block_hashes(request, max_blocks, self.block_size)
         hits: list[TierHit] = []
+        queried = found = 0  # host-tier tokens, counted by count_lookup if the request is scheduled
         for i in range(start_block, max_blocks):
             key, parent = self.key(hashes[i]), hashes[i - 1] if i else b""
             with self._lock:
@@ -161,11 +164,11 @@ class TierManager(KVConnector):
                 self._ready[key] = staged.data
                 hits.append(TierHit(hashes[i], staged.origin))
                 continue
-            self.stats_tokens[f"{CPU}_queries"] += self.block_size
+            queried += self.block_size
             blob = self.host.get(key) if self.host is not None else None
             if blob is None:
                 break
-            self.stats_tokens[f"{CPU}_hits"] += self.block_size
+            found += self.block_size
             try:
                 self._ready[key] = self._decode(key, blob, parent, block_tokens(request, i, self.block_size))
             except CorruptEntryError as e:
@@ -174,7 +177,13 @@ class TierManager(KVConnector):
                 self._removed(CPU, key)
                 break
             hits.append(TierHit(hashes[i], CPU))
+        self._lookups[request.request_id] = (queried, found)
         return hits
+
+    def count_lookup(self, request: Request) -> None:
+        queried, found = self._lookups.pop(request.request_id, (0, 0))
+        self.stats_tokens[f"{CPU}_queries"] += queried
+        self.stats_tokens[f"{CPU}_hits"] += found
 
     def transfer(self, kv_offload: list[EvictedBlock], kv_onload: list[tuple[int, TierHit]], runner: Any) -> None:
         """Copy evicted blocks out of the device, then loaded blocks in; before the step's forward."""
@@ -309,6 +318,7 @@ class TierManager(KVConnector):
         self._done_event.wait(timeout)
 
     def cancel(self, request_id: str) -> None:
+        self._lookups.pop(request_id, None)
         with self._lock:
             if request_id in self._fetching:
                 self._cancelled.add(request_id)  # the fetch stops and drops what it staged

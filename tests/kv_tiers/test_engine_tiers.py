@@ -203,3 +203,23 @@ def test_remote_write_through_is_the_default_and_can_be_turned_off(model_dir, re
             assert entries == 0 and sent == 0, stats
     finally:
         llm.close()
+
+
+def test_tier_hit_rate_counts_a_request_waiting_for_room_once(model_dir):
+    """A request whose blocks are in RAM but that must wait for room on the device looks the tiers
+    up again every step; the tier's query and hit counters take it once, when it is scheduled."""
+    target, *others = _prompts(4, 70, seed=21)  # 4 full blocks each; the pool holds 12
+    llm = _llm(model_dir, kv_offload_cpu=64 * ENTRY)
+    try:
+        _run(llm, [target])
+        _run(llm, others)  # the target's 4 full blocks go to RAM
+        before = llm.stats()
+        long = _prompts(1, 150, seed=22)[0]  # 10 of the 12 blocks: the target waits until it ends
+        outs = llm.generate([long, target], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+        assert outs[1].num_cached_tokens_by_tier.get("cpu") == 4 * BS
+        after = llm.stats()
+        queried = after["kv_tier_cpu_queries"] - before["kv_tier_cpu_queries"]
+        hit = after["kv_tier_cpu_hits"] - before["kv_tier_cpu_hits"]
+        assert hit == 4 * BS and queried == 4 * BS + BS, (queried, hit)  # + the long prompt's one miss
+    finally:
+        llm.close()
