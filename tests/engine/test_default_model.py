@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
-import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.models.loader import default_model_path
 from tests.conftest import assert_greedy_parity, hf_greedy
 
 PROMPTS = [
@@ -26,30 +23,36 @@ PROMPTS = [
 INT8_ACTIVATIONS_ATOL, INT8_ACTIVATIONS_TIE = 0.2, 0.35
 
 
+@pytest.fixture(scope="module")
+def hf_reference(default_hf_model) -> tuple[list[list[int]], list]:
+    """The prompts' token ids and HF's greedy continuations, computed once for every variant."""
+    from kvserve.models.loader import load_tokenizer
+
+    tok = load_tokenizer(None)
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    return prompts, hf_greedy(default_hf_model, prompts, 20)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tuning", ["auto", "off", "int8"])
-def test_default_model_greedy_matches_hf(tuning, monkeypatch):
+def test_default_model_greedy_matches_hf(tuning, monkeypatch, hf_reference):
     """With the kernels chosen by measuring (auto), with no measuring (off), and with int8
     activations allowed (int8: chosen where they measure faster)."""
-    from transformers import AutoModelForCausalLM
-
     from kvserve.worker.kernels.tuning import INT8_ENV, TUNING_ENV
 
     monkeypatch.setenv(TUNING_ENV, "off" if tuning == "off" else "auto")
     if tuning == "int8":
         monkeypatch.setenv(INT8_ENV, "1")
     llm = LLM(dtype="float32", kv_cache_memory="256MiB", check_integrity=True)
-    tok = llm.get_tokenizer()
-    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    prompts, reference = hf_reference
+    assert prompts == [llm.get_tokenizer()(p)["input_ids"] for p in PROMPTS]
     ours = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, logprobs=5, ignore_eos=True),
                         use_tqdm=False)
     model = llm.engine.executor.worker.runner.model
     int8 = any(getattr(m, "activations", None) == "int8" for m in model.modules())
     assert not int8 or tuning == "int8"
-    path = Path(default_model_path())
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     if int8:
-        assert_greedy_parity(ours, hf_greedy(hf, prompts, 20), INT8_ACTIVATIONS_ATOL, INT8_ACTIVATIONS_TIE)
+        assert_greedy_parity(ours, reference, INT8_ACTIVATIONS_ATOL, INT8_ACTIVATIONS_TIE)
     else:
-        assert_greedy_parity(ours, hf_greedy(hf, prompts, 20))
+        assert_greedy_parity(ours, reference)
     assert "Paris" in ours[0].outputs[0].text

@@ -103,7 +103,7 @@ def test_default_model_path_points_at_gguf():
 
 
 @pytest.mark.slow
-def test_default_model_matches_transformers(paged_runner):
+def test_default_model_matches_transformers(paged_runner, default_hf_model):
     path = Path(_default_or_skip())
     lm = load_model(None, dtype="float32")
     assert lm.model_path == str(path.resolve())
@@ -113,9 +113,8 @@ def test_default_model_matches_transformers(paged_runner):
                                            add_generation_prompt=True, tokenize=False)
     ids = lm.tokenizer(ids).input_ids
     logits = paged_runner(lm.model, lm.hf_config, block_size=16, num_blocks=8).step(ids)
-    hf = _hf_from_gguf(path)
     with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].float()
+        ref = default_hf_model(torch.tensor([ids])).logits[0].float()
     diff = (logits - ref).abs().max().item()
     print(f"default model: {len(ids)} tokens, max abs logit diff vs transformers {diff:.3g}")
     assert diff < 1e-3
