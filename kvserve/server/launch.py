@@ -65,8 +65,6 @@ def _check_args(args: argparse.Namespace) -> None:
         args.model = args.model_pos
     if args.max_waiting < 1:
         raise ValueError(f"--max-waiting must be at least 1, got {args.max_waiting}")
-    if args.max_request_bytes < 1:
-        raise ValueError(f"--max-request-bytes must be at least 1, got {args.max_request_bytes}")
     if not args.header_timeout > 0:
         raise ValueError(f"--header-timeout must be positive, got {args.header_timeout}")
     if not 0 <= args.port <= 65535:

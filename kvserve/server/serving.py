@@ -167,10 +167,12 @@ class Serving:
         except PromptError as e:
             raise APIError(400, e.message, param=e.param) from None
 
-    def chat_ids(self, messages: list[P.ChatMessage]) -> list[int]:
-        """Token ids of a chat request's messages (the chat template, with the generation prompt)."""
+    def chat_ids(self, messages: list[P.ChatMessage], **options: Any) -> list[int]:
+        """Token ids of a chat request's messages (the chat template, with the generation prompt
+        unless `options`, chat_prompt_ids' keywords, say otherwise)."""
         try:
-            return chat_prompt_ids(self.tokenizer, [m.model_dump() for m in messages], self.max_prompt_chars)
+            return chat_prompt_ids(self.tokenizer, [m.model_dump() for m in messages], self.max_prompt_chars,
+                                   **options)
         except PromptError as e:
             raise APIError(400, e.message, param=e.param) from None
 

@@ -20,7 +20,6 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from kvserve.server import protocol as P
-from kvserve.server.prompts import PromptError, chat_prompt_ids
 from kvserve.server.serving import APIError, Serving
 
 
@@ -52,14 +51,9 @@ class TokenizeServing(Serving):
             # started with --trust-request-chat-template.
             raise APIError(400, "chat_template is not supported: /tokenize renders the model's own chat "
                            "template (chat_template_kwargs can pass it variables)", param="chat_template")
-        try:
-            return chat_prompt_ids(self.tokenizer, [m.model_dump() for m in req.messages], self.max_prompt_chars,
-                                   add_generation_prompt=req.add_generation_prompt,
-                                   continue_final_message=req.continue_final_message,
-                                   add_special_tokens=req.add_special_tokens,
-                                   chat_template_kwargs=req.chat_template_kwargs)
-        except PromptError as e:
-            raise APIError(400, e.message, param=e.param) from None
+        return self.chat_ids(req.messages, add_generation_prompt=req.add_generation_prompt,
+                             continue_final_message=req.continue_final_message,
+                             add_special_tokens=req.add_special_tokens, chat_template_kwargs=req.chat_template_kwargs)
 
 
 def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
