@@ -10,12 +10,13 @@ from kvserve.sampling_params import SamplingParams
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
+    WAITING_FOR_REMOTE_KV = 1  # waiting, and not schedulable until its KV connector has loaded its KV
+    RUNNING = 2
+    PREEMPTED = 3
     # Everything from here on is finished.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
 
     @property
     def finished(self) -> bool:
@@ -64,8 +65,6 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # set when first scheduled
         self.num_cached_tokens_by_tier: dict[str, int] = {}  # the same, split by where the K/V came from
-        self.kv_loading = False  # waiting for KV from a slow tier (kv_connector.py)
-        self.num_blocks_written_through = -1  # full blocks already sent to the remote tier
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []
         # Requests asking for prompt logprobs need every prompt position computed.

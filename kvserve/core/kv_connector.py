@@ -1,23 +1,31 @@
-"""What the scheduler needs from KV storage below the device pool (kv_tiers/ implements it).
+"""The KV connector interface, in two halves (DESIGN.md, "KV connector, two halves").
 
-The scheduler and the KV manager stay pure bookkeeping: they hand the connector
-blocks the prefix cache evicts (their K/V are still intact until the next model
-step), ask it which further prompt blocks it can supply right now, and carry the
-resulting copies in the SchedulerOutput:
+A connector brings K/V into the device pool from elsewhere and takes K/V out of it: the KV
+tiers below the pool (kv_tiers/), another engine (prefill/decode), chunks reused out of order.
+The scheduler and the KV manager stay pure bookkeeping and know only this interface:
 
-    kv_offload  [(device block id, EvictedBlock)]  read out BEFORE the step writes anything
-    kv_onload   [(device block id, TierHit)]       written into fresh blocks before the forward
+- the **scheduler half** (`KVConnector`) decides. It hears of every block the prefix cache
+  evicts (its K/V are intact until the next model step), says which further prompt blocks it
+  can supply this step, and whether a new request must wait for its KV first (status
+  `WAITING_FOR_REMOTE_KV` until `finished_loading` names it). Each step it puts its plan in the
+  SchedulerOutput (`build_meta`), opaque to everyone else. A finished request's blocks stay
+  held while the connector still needs them (`request_finished` -> True), until
+  `finished_sending` names it.
+- the **worker half** (`KVConnectorWorker`) moves the bytes, carrying out the plan around the
+  step's forward: `before_forward` (offloads are read out before anything is written, then
+  loaded blocks are written in) and `after_forward` (K/V the forward computed).
 
-Slower tiers (disk, a network store) are never touched on the step path: a new
-request may first be `prefetch`ed into the fast tier in the background, and is
-not scheduled until `poll` says its loads are done.
+A feature's per-request state lives in its connector, keyed by request id, not on `Request`.
 """
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
+from kvserve.core.sched_output import SchedulerOutput
 from kvserve.request import Request
 
 DEVICE_TIER = "device"
@@ -38,37 +46,77 @@ class TierHit:
     """One block the connector can write into a device block now."""
 
     block_hash: bytes
-    origin: str  # the tier it came from, for the cached-token split ("cpu", "disk", "remote")
+    origin: str  # where it came from, for the cached-token split ("cpu", "disk", "remote", ...)
 
 
 class KVConnector(ABC):
+    """The scheduler half: pure bookkeeping, no torch."""
+
+    # ---- blocks in and out of the device pool ----------------------------------
+
     @abstractmethod
     def on_evict(self, block: EvictedBlock) -> None:
-        """The prefix cache dropped this block; offload it (its copy goes out with the next step)."""
+        """The prefix cache dropped this block; it may be copied out with the next step."""
 
     @abstractmethod
     def lookup(self, request: Request, start_block: int, max_blocks: int) -> list[TierHit]:
         """Consecutive full blocks start_block, start_block + 1, ... (below max_blocks) of the
-        request's prompt that can be onloaded in this step. Takes nothing out of any tier."""
+        request's prompt that can be loaded in this step. Takes nothing out of anywhere."""
 
     @abstractmethod
     def count_lookup(self, request: Request) -> None:
-        """The request was scheduled with its last lookup's hits: count that lookup in the tier
-        hit rates (a request that waits for room looks up again every step; it counts once)."""
+        """The request was scheduled with its last lookup's hits: count that lookup in the hit
+        rates (a request that waits for room looks up again every step; it counts once)."""
 
     @abstractmethod
-    def prefetch(self, request: Request, num_device_blocks: int) -> bool:
-        """A new request whose first num_device_blocks blocks are on the device: start
-        bringing its next blocks up from slow tiers. True if it should wait for `poll`."""
+    def on_allocated(self, request: Request, block_ids: list[int], hits: list[TierHit]) -> None:
+        """The request was scheduled: block_ids[i] takes hits[i]'s K/V in this step."""
 
     @abstractmethod
-    def poll(self) -> list[str]:
-        """Request ids whose prefetch has finished (successfully or not) since the last call."""
+    def build_meta(self, out: SchedulerOutput) -> Any:
+        """This step's plan for the worker half (the scheduled requests are in `out`, their
+        num_computed_tokens already counting this step's tokens). Called once per step."""
+
+    # ---- requests that wait for their KV ------------------------------------------
 
     @abstractmethod
-    def take_offloads(self) -> list[EvictedBlock]:
-        """Blocks evicted since the last call, in eviction order; the caller copies them out."""
+    def start_load(self, request: Request, num_device_blocks: int) -> bool:
+        """A new request whose first num_device_blocks blocks are on the device: start bringing
+        its next blocks from wherever they are, in the background. True: it waits
+        (WAITING_FOR_REMOTE_KV) until `finished_loading` names it."""
 
     @abstractmethod
-    def cancel(self, request_id: str) -> None:
-        """The request is gone; forget any prefetch bookkeeping for it."""
+    def finished_loading(self) -> list[str]:
+        """Request ids whose load has finished (successfully or not) since the last call."""
+
+    def wait(self, timeout: float) -> None:
+        """Nothing but loads to wait for: block until one may have finished, or `timeout`."""
+        time.sleep(timeout)
+
+    # ---- requests that end ------------------------------------------------------------
+
+    def request_finished(self, request: Request) -> bool:
+        """The request finished. True: the connector still reads its blocks (sending them
+        somewhere); they stay held until `finished_sending` names it."""
+        return False
+
+    def finished_sending(self) -> list[str]:
+        """Request ids whose held blocks may now be freed."""
+        return []
+
+    @abstractmethod
+    def forget(self, request_id: str) -> None:
+        """The request is gone for good: drop everything kept for it."""
+
+
+class KVConnectorWorker(ABC):
+    """The worker half: carries out the scheduler half's plan around the forward. `runner`
+    reads and writes whole device blocks (`read_kv_blocks` / `write_kv_blocks`) on every rank."""
+
+    @abstractmethod
+    def before_forward(self, meta: Any, runner: Any) -> None:
+        """Before the step's forward writes anything."""
+
+    @abstractmethod
+    def after_forward(self, meta: Any, runner: Any) -> None:
+        """After the step's forward: its K/V are in the blocks."""

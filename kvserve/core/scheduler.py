@@ -13,56 +13,13 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
-from kvserve.core.kv_connector import DEVICE_TIER, EvictedBlock, KVConnector, TierHit
+from kvserve.core.kv_connector import DEVICE_TIER, KVConnector, TierHit
 from kvserve.core.kv_manager import KVCacheManager
 from kvserve.core.prefix_cache import max_cached_blocks
+from kvserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvserve.request import Request, RequestStatus
-from kvserve.sampling_params import SamplingParams
-
-
-@dataclass
-class NewRequestData:
-    """A request the model runner has not seen, or one resumed after preemption."""
-
-    req_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-
-
-@dataclass
-class CachedRequestData:
-    """A request the model runner already holds: only what changed."""
-
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
-    # Generated tokens this step computes (a decode's input): ranks that did not sample them
-    # (tensor-parallel peers, earlier pipeline stages) take them from here.
-    new_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class SchedulerOutput:
-    new_reqs: list[NewRequestData] = field(default_factory=list)
-    cached_reqs: list[CachedRequestData] = field(default_factory=list)
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    # Requests the model runner should forget (finished or aborted since the last step).
-    finished_req_ids: set[str] = field(default_factory=set)
-    preempted_req_ids: set[str] = field(default_factory=set)
-    # KV tier copies (kv_connector.py), done before the forward: offloads first, since
-    # an evicted block may be refilled by an onload or by this very step.
-    kv_offload: list[EvictedBlock] = field(default_factory=list)
-    kv_onload: list[tuple[int, TierHit]] = field(default_factory=list)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
 
 
 class Scheduler:
@@ -80,6 +37,8 @@ class Scheduler:
         self._seq = itertools.count()
         self._order: dict[str, tuple[int, float, int]] = {}
         self._finished_ids: set[str] = set()
+        # Finished requests whose blocks the connector still reads (request_finished -> True).
+        self.held: dict[str, Request] = {}
         self.num_preemptions = 0
 
     # ---- queue management -------------------------------------------------
@@ -87,8 +46,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self._order[request.request_id] = (request.priority, request.arrival_time, next(self._seq))
-        if self.connector is not None and not request.skip_prefix_cache:
-            request.kv_loading = self.connector.prefetch(request, self.kv.num_cached_blocks(request))
+        if self.connector is not None and self.connector.start_load(request, self.kv.num_cached_blocks(request)):
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
@@ -109,15 +68,25 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         req.finished_time = time.time()
-        self.kv.free(req)
         self._finished_ids.add(req.request_id)
-        if self.connector is not None:
-            self.connector.cancel(req.request_id)
         del self.requests[req.request_id]
         del self._order[req.request_id]
+        if self.connector is not None and self.connector.request_finished(req):
+            self.held[req.request_id] = req  # freed once the connector has sent its blocks
+            return
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        self.kv.free(req)
+        if self.connector is not None:
+            self.connector.forget(req.request_id)
+
+    def block_holders(self) -> list[Request]:
+        """Every request holding blocks: live ones and finished ones still being sent."""
+        return [*self.requests.values(), *self.held.values()]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.held)
 
     @property
     def num_waiting(self) -> int:
@@ -133,21 +102,25 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
         if self.connector is not None:
-            for rid in self.connector.poll():
-                req = self.requests.get(rid)
+            for rid in self.connector.finished_sending():
+                req = self.held.pop(rid, None)
                 if req is not None:
-                    req.kv_loading = False
+                    self._release(req)
+            for rid in self.connector.finished_loading():
+                req = self.requests.get(rid)
+                if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                    req.status = RequestStatus.WAITING
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
         if self.connector is not None:
-            out.kv_offload = self.connector.take_offloads()
+            out.kv_connector_meta = self.connector.build_meta(out)
         return out
 
     @property
     def num_loading(self) -> int:
-        """Waiting requests held back until their KV arrives from a slow tier."""
-        return sum(1 for r in self.waiting if r.kv_loading)
+        """Waiting requests held back until their KV arrives (WAITING_FOR_REMOTE_KV)."""
+        return sum(1 for r in self.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KV)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Serve running requests in order; num_computed_tokens advances as they are scheduled."""
@@ -194,7 +167,7 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.pop(0)
-            if req.kv_loading or (req.leader_id is not None and not self._fork_from_leader(req, out)):
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KV or (req.leader_id is not None and not self._fork_from_leader(req, out)):
                 skipped.append(req)
                 continue
             computed: list[int] = []
@@ -212,7 +185,8 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 self.waiting.insert(0, req)
                 break
-            out.kv_onload.extend(zip(blocks, hits))  # the first new blocks take the loaded K/V
+            if hits:  # the first new blocks take the loaded K/V
+                self.connector.on_allocated(req, blocks[:len(hits)], hits)
             if looked_up:
                 self.kv.count_lookup(req, num_cached)
                 if self.connector is not None and not req.skip_prefix_cache:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.core.scheduler import SchedulerOutput
+from kvserve.core.sched_output import SchedulerOutput
 from kvserve.worker.model_runner import ModelRunnerOutput
 
 

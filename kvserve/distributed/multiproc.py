@@ -33,8 +33,9 @@ from typing import Any
 import zmq
 
 from kvserve.config import EngineConfig
-from kvserve.core.scheduler import SchedulerOutput
+from kvserve.core.sched_output import SchedulerOutput
 from kvserve.distributed.executor import Executor, WorkerError
+from kvserve.fast_exit import exit_process
 
 logger = logging.getLogger(__name__)
 
@@ -273,3 +274,4 @@ class _CallFuture(Future):
 
 if __name__ == "__main__":  # a rank's process: its arguments arrive pickled on stdin
     _worker_main(*pickle.loads(sys.stdin.buffer.read()))
+    exit_process(0)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.core.scheduler import SchedulerOutput
+from kvserve.core.sched_output import SchedulerOutput
 from kvserve.distributed.executor import Executor, WorkerError
 
 logger = logging.getLogger(__name__)

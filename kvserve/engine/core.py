@@ -19,7 +19,8 @@ import torch
 from kvserve.config import CacheConfig, EngineConfig, KVEventsConfig, TierConfig
 from kvserve.core.kv_events import KVEventPublisher, KVEventSink
 from kvserve.core.kv_manager import KVCacheManager
-from kvserve.core.scheduler import Scheduler, SchedulerOutput
+from kvserve.core.sched_output import SchedulerOutput
+from kvserve.core.scheduler import Scheduler
 from kvserve.distributed.executor import Executor, WorkerError
 from kvserve.distributed.parallel import check_parallel
 from kvserve.engine.output_processor import OutputProcessor
@@ -253,20 +254,19 @@ class EngineCore:
     def _schedule(self) -> SchedulerOutput:
         so = self.scheduler.schedule()
         if self.tiers is not None:
-            self.tiers.transfer(so.kv_offload, so.kv_onload, self.executor)
-            if not so.num_scheduled_tokens and self.scheduler.num_loading:
-                self.tiers.wait(0.01)  # only requests waiting on a slow tier: don't spin
+            self.tiers.before_forward(so.kv_connector_meta, self.executor)
+            if not so.num_scheduled_tokens and (self.scheduler.num_loading or self.scheduler.held):
+                self.tiers.wait(0.01)  # only requests waiting on their connector: don't spin
         return so
 
     def _finish_step(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> list[RequestOutput]:
-        if self.tiers is not None and self.tiers.cfg.writes_through:
-            reqs = [self.scheduler.requests[r] for r in so.num_scheduled_tokens if r in self.scheduler.requests]
-            self.tiers.write_through(reqs, self.executor)
+        if self.tiers is not None:
+            self.tiers.after_forward(so.kv_connector_meta, self.executor)
         updated = self.scheduler.update(so, ro.sampled)
         outputs, stopped = self.processor.process(updated, ro)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         if self.check_integrity:
-            self.kv.check_integrity(list(self.scheduler.requests.values()))
+            self.kv.check_integrity(self.scheduler.block_holders())
         return outputs
 
     @property

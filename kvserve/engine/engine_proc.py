@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -32,6 +31,7 @@ import msgpack
 import zmq
 
 from kvserve.config import EngineConfig
+from kvserve.fast_exit import exit_process
 from kvserve.outputs import Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -485,4 +485,4 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
         inp.close()
         out.close()
         ctx.term()
-    sys.exit(code)
+    exit_process(code)  # everything it owns is closed; skip the interpreter's teardown

@@ -31,9 +31,10 @@ from typing import Any
 import torch
 
 from kvserve.config import TierConfig
-from kvserve.core.kv_connector import EvictedBlock, KVConnector, TierHit
+from kvserve.core.kv_connector import EvictedBlock, KVConnector, KVConnectorWorker, TierHit
 from kvserve.core.kv_events import KVEventSink
 from kvserve.core.prefix_cache import block_tokens, compute_block_hashes, max_cached_blocks
+from kvserve.core.sched_output import SchedulerOutput
 from kvserve.kv_tiers.base import Evicted, KVTier
 from kvserve.kv_tiers.codec import CorruptEntryError, decode_entry, encode_entry
 from kvserve.kv_tiers.disk import DiskTier
@@ -82,7 +83,20 @@ class _Staged:
     origin: str
 
 
-class TierManager(KVConnector):
+@dataclass
+class TierStepMeta:
+    """One step's copies, in the order the worker half does them (an evicted block may be
+    refilled by an onload or by this very step, so offloads are read out first)."""
+
+    offloads: list[EvictedBlock]  # evicted blocks: read out before the forward
+    onloads: list[tuple[int, TierHit]]  # (device block, hit): written in before the forward
+    writes: list[tuple[str, EvictedBlock]]  # (request, block) the forward fills: sent to the remote tier
+
+
+class TierManager(KVConnector, KVConnectorWorker):
+    """Both halves of the KV tiers' connector. They run in the engine process, which holds the
+    tiers; the worker half reaches the ranks' KV through the executor (`runner`)."""
+
     def __init__(self, cfg: TierConfig, fingerprint: bytes, block_size: int, block_shape: tuple[int, ...],
                  dtype: torch.dtype) -> None:
         """block_shape: one block's K/V as the runner reads it, [layers, 2, block_size, kv_heads, head_dim]."""
@@ -99,7 +113,10 @@ class TierManager(KVConnector):
         self._staged: dict[bytes, _Staged] = {}  # prefetched from slow tiers, waiting to be onloaded
         self._staged_by_req: dict[str, list[bytes]] = defaultdict(list)
         self._ready: dict[bytes, bytes] = {}  # verified data of this step's lookups, by key
-        self._offloads: list[EvictedBlock] = []
+        self._offloads: list[EvictedBlock] = []  # evicted since the last step
+        self._onloads: list[tuple[int, TierHit]] = []  # allocated this step
+        self._requests: dict[str, Request] = {}  # every live request, by id (for write-through)
+        self._written: dict[str, int] = {}  # request id -> its full blocks sent to the remote tier
         self._done: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._done_event = threading.Event()
         self._fetching: set[str] = set()  # requests with a prefetch queued or running
@@ -145,9 +162,30 @@ class TierManager(KVConnector):
     def on_evict(self, block: EvictedBlock) -> None:
         self._offloads.append(block)
 
-    def take_offloads(self) -> list[EvictedBlock]:
-        out, self._offloads = self._offloads, []
-        return out
+    def on_allocated(self, request: Request, block_ids: list[int], hits: list[TierHit]) -> None:
+        self._onloads.extend(zip(block_ids, hits))
+
+    def build_meta(self, out: SchedulerOutput) -> TierStepMeta:
+        meta = TierStepMeta(self._offloads, self._onloads, self._new_full_blocks(out) if self.cfg.writes_through else [])
+        self._offloads, self._onloads = [], []
+        return meta
+
+    def _new_full_blocks(self, out: SchedulerOutput) -> list[tuple[str, EvictedBlock]]:
+        """Full blocks the step's forward completes, not sent to the remote tier before."""
+        todo: list[tuple[str, EvictedBlock]] = []
+        for rid in out.num_scheduled_tokens:
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            # Blocks the request found cached were computed (and sent) before.
+            done = self._written.setdefault(rid, max(req.num_cached_tokens, 0) // self.block_size)
+            full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+            hashes = compute_block_hashes(req, full, self.block_size)
+            for i in range(done, full):
+                todo.append((rid, EvictedBlock(req.block_ids[i], hashes[i], hashes[i - 1] if i else b"",
+                                               block_tokens(req, i, self.block_size))))
+            self._written[rid] = max(done, full)
+        return todo
 
     def lookup(self, request: Request, start_block: int, max_blocks: int) -> list[TierHit]:
         self._lookups.pop(request.request_id, None)
@@ -185,8 +223,26 @@ class TierManager(KVConnector):
         self.stats_tokens[f"{CPU}_queries"] += queried
         self.stats_tokens[f"{CPU}_hits"] += found
 
-    def transfer(self, kv_offload: list[EvictedBlock], kv_onload: list[tuple[int, TierHit]], runner: Any) -> None:
-        """Copy evicted blocks out of the device, then loaded blocks in; before the step's forward."""
+    # ---- KVConnectorWorker: the copies -----------------------------------------------
+
+    def before_forward(self, meta: TierStepMeta, runner: Any) -> None:
+        self._transfer(meta.offloads, meta.onloads, runner)
+
+    def after_forward(self, meta: TierStepMeta, runner: Any) -> None:
+        # A request finished meanwhile (pipeline parallel: later steps ran) may have lost its blocks.
+        todo = [b for rid, b in meta.writes if rid in self._written]
+        if not todo:
+            return
+        # The copy is taken now (the blocks may be reused after this step); encoding and the
+        # store's round trips happen on the writer thread.
+        for b, data in zip(todo, runner.read_kv_blocks([b.block_id for b in todo])):
+            try:
+                self._writes.put_nowait((self._write_new, (b, data)))
+            except queue.Full:
+                self.writes_dropped += 1
+
+    def _transfer(self, kv_offload: list[EvictedBlock], kv_onload: list[tuple[int, TierHit]], runner: Any) -> None:
+        """Copy evicted blocks out of the device, then loaded blocks in."""
         # A block loaded from RAM and evicted again is still there (same key, same content) with
         # its hit count, which admission to disk needs: only mark it recently used.
         if self.host is not None:
@@ -250,28 +306,6 @@ class TierManager(KVConnector):
             self.events.removed(name[0], tier)
         return name
 
-    def write_through(self, requests: list[Request], runner: Any) -> None:
-        """After a step: queue the requests' newly computed full blocks for the remote tier."""
-        todo: list[tuple[int, EvictedBlock]] = []
-        for req in requests:
-            if req.num_blocks_written_through < 0:  # cached blocks were computed (and sent) before
-                req.num_blocks_written_through = max(req.num_cached_tokens, 0) // self.block_size
-            full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
-            hashes = compute_block_hashes(req, full, self.block_size)
-            for i in range(req.num_blocks_written_through, full):
-                todo.append((req.block_ids[i], EvictedBlock(req.block_ids[i], hashes[i], hashes[i - 1] if i else b"",
-                                                            block_tokens(req, i, self.block_size))))
-            req.num_blocks_written_through = max(req.num_blocks_written_through, full)
-        if not todo:
-            return
-        # The copy is taken now (the blocks may be reused after this step); encoding and the
-        # store's round trips happen on the writer thread.
-        for (_, b), data in zip(todo, runner.read_kv_blocks([bid for bid, _ in todo])):
-            try:
-                self._writes.put_nowait((self._write_new, (b, data)))
-            except queue.Full:
-                self.writes_dropped += 1
-
     def _write_new(self, b: EvictedBlock, data: torch.Tensor) -> None:
         assert self.remote is not None
         key = self.key(b.block_hash)
@@ -284,8 +318,9 @@ class TierManager(KVConnector):
 
     # ---- KVConnector: prefetch from slow tiers -------------------------------------
 
-    def prefetch(self, request: Request, num_device_blocks: int) -> bool:
-        if not self.slow:
+    def start_load(self, request: Request, num_device_blocks: int) -> bool:
+        self._requests[request.request_id] = request
+        if not self.slow or request.skip_prefix_cache:
             return False
         max_blocks = max_cached_blocks(request, self.block_size)
         if num_device_blocks >= max_blocks:
@@ -304,7 +339,7 @@ class TierManager(KVConnector):
         self._reads.put((self._fetch, (request.request_id, todo)))
         return True
 
-    def poll(self) -> list[str]:
+    def finished_loading(self) -> list[str]:
         out = []
         while True:
             try:
@@ -317,8 +352,10 @@ class TierManager(KVConnector):
         """Block until a prefetch finishes or `timeout` passes (the engine has nothing else to do)."""
         self._done_event.wait(timeout)
 
-    def cancel(self, request_id: str) -> None:
+    def forget(self, request_id: str) -> None:
         self._lookups.pop(request_id, None)
+        self._requests.pop(request_id, None)
+        self._written.pop(request_id, None)
         with self._lock:
             if request_id in self._fetching:
                 self._cancelled.add(request_id)  # the fetch stops and drops what it staged

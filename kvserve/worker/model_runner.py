@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kvserve.attention import FP8, FP8_MAX, Attention, AttentionMetadata, cpu_kernel, get_backend, set_attention_backend
-from kvserve.core.scheduler import SchedulerOutput
+from kvserve.core.sched_output import SchedulerOutput
 from kvserve.distributed.parallel import IntermediateTensors, Parallel
 from kvserve.layers.linear import kv_head_range
 from kvserve.sampling_params import SamplingParams

@@ -13,7 +13,7 @@ import os
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.core.scheduler import SchedulerOutput
+from kvserve.core.sched_output import SchedulerOutput
 from kvserve.distributed.parallel import Parallel, init_distributed
 from kvserve.models.loader import load_model
 from kvserve.worker.kernels import tuning

@@ -6,7 +6,8 @@ import pytest
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_manager import KVCacheManager
-from kvserve.core.scheduler import Scheduler, SchedulerOutput
+from kvserve.core.sched_output import SchedulerOutput
+from kvserve.core.scheduler import Scheduler
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 
@@ -39,7 +40,7 @@ def step(s: Scheduler) -> SchedulerOutput:
         if r.num_computed_tokens == r.num_tokens:  # reached its end: the model samples
             sampled[rid] = fake_token(r.all_token_ids)
     s.update(out, sampled)
-    s.kv.check_integrity(list(s.requests.values()))
+    s.kv.check_integrity(s.block_holders())
     return out
 
 

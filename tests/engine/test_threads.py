@@ -54,19 +54,25 @@ def test_binding_gives_one_thread_per_core_unless_told(caplog):
 
 
 def test_http_process_keeps_one_thread(tiny_model_factory, monkeypatch):
-    """`kvserve serve` leaves the cores to the engine process before starting it."""
+    """`kvserve serve` leaves the cores to the engine process, which it spawns first (a spawned
+    process starts with torch's own thread count) so that both start side by side."""
     from kvserve.engine.async_engine import AsyncEngine
     from kvserve.server import launch
 
     seen = []
 
     async def start(config, **kwargs):  # stands in for spawning the engine process
+        seen.append("engine")
+        await asyncio.sleep(0.5)  # meanwhile this process loads the tokenizer
         seen.append(torch.get_num_threads())
         raise RuntimeError("engine not started in this test")
 
     monkeypatch.setattr(AsyncEngine, "start", start)
     torch.set_num_threads(2)
-    config = EngineConfig.from_kwargs(model=str(tiny_model_factory("llama")), dtype="float32")
-    with pytest.raises(RuntimeError, match="engine not started"):
-        asyncio.run(launch.serve(argparse.Namespace(), config))
-    assert seen == [1]
+    try:
+        config = EngineConfig.from_kwargs(model=str(tiny_model_factory("llama")), dtype="float32")
+        with pytest.raises(RuntimeError, match="engine not started"):
+            asyncio.run(launch.serve(argparse.Namespace(), config))
+        assert seen == ["engine", 1] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(len(os.sched_getaffinity(0)))

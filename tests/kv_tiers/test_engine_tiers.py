@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.request import RequestStatus
 from tests.conftest import assert_greedy_parity, hf_greedy
 
 BS = 16
@@ -167,7 +168,7 @@ def test_aborting_a_request_while_its_kv_is_fetched_leaves_nothing_staged(model_
     try:
         eng, tiers = llm.engine, llm.engine.tiers
         eng.add_request("gone", prompt, GREEDY)
-        assert eng.scheduler.requests["gone"].kv_loading  # waiting for the disk prefetch
+        assert eng.scheduler.requests["gone"].status == RequestStatus.WAITING_FOR_REMOTE_KV  # the disk prefetch
         eng.abort_request("gone")
         tiers._reads.join()  # the fetch has finished (it may have run before or after the abort)
         assert not tiers._staged and not tiers._staged_by_req and not tiers._fetching and not tiers._cancelled

@@ -1,0 +1,49 @@
+"""What one scheduler step tells the model runner (and the KV connector's worker half)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the model runner has not seen, or one resumed after preemption."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the model runner already holds: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    # Generated tokens this step computes (a decode's input): ranks that did not sample them
+    # (tensor-parallel peers, earlier pipeline stages) take them from here.
+    new_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Requests the model runner should forget (finished or aborted since the last step).
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    # The KV connector's plan for this step (kv_connector.py), opaque to everyone but its
+    # worker half, which carries it out around the forward. None without a connector.
+    kv_connector_meta: Any = None
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
