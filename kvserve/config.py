@@ -38,6 +38,7 @@ def parse_size(value: int | str, field: str = "size") -> int:
 # Allowed values, shared by the validation below and the flags' choices (engine_args.py).
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch")  # attention/: cpu_backend.py, torch_backend.py
 PREFIX_CACHES = ("hash", "radix")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
@@ -72,12 +73,15 @@ class ModelConfig:
     # The model's sampling defaults for requests that omit a field (models/generation_config.py):
     # auto (generation_config.json or GGUF general.sampling.*), none, or a directory
     generation_config: str = "auto"
+    # auto: cpu (the C kernels) on a CPU, torch elsewhere; attention/backend.py resolve_backend
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         from kvserve.quant.base import check_method
 
         check_method(self.quantization)
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be auto, none or a directory, got {self.generation_config!r}")
         if self.max_model_len is not None:
@@ -298,6 +302,9 @@ class EngineConfig:
         if not isinstance(self.device, str) or not self.device:
             raise ValueError(f"device must be a device name such as 'cpu' or 'cuda', got {self.device!r}")
         _check_bool("check_integrity", self.check_integrity)
+        if self.model.attention_backend == "cpu" and not self.device.startswith("cpu"):
+            raise ValueError(f"attention_backend cpu runs on the CPU only, not on device {self.device!r}; "
+                             "use torch or auto")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

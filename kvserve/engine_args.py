@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvserve.config import (DTYPES, EXECUTOR_BACKENDS, KV_CACHE_DTYPES, PREFIX_CACHES, CacheConfig, EngineConfig,
+from kvserve.config import (ATTENTION_BACKENDS, DTYPES, EXECUTOR_BACKENDS, KV_CACHE_DTYPES, PREFIX_CACHES, CacheConfig, EngineConfig,
                             KVEventsConfig, ModelConfig, ParallelConfig, SchedulerConfig, TierConfig, parse_size)
 
 # The exit code of every kvserve command given a bad flag or value (the message names it).
@@ -90,6 +90,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("quantization", "model.quantization", None,
          "weight quantization (default: what the checkpoint says; none: load dequantized)",
          choices=_quantization_choices, aliases=("-q",)),
+    Flag("attention_backend", "model.attention_backend", "auto",
+         "paged attention kernels (auto: cpu on a CPU, torch elsewhere; cpu: compiled C kernels, torch: torch ops)",
+         choices=ATTENTION_BACKENDS),
     Flag("kv_cache_dtype", "cache.kv_cache_dtype", "auto",
          "fp8: KV stored as float8 e4m3 with per-layer scales (about 2x the tokens)", choices=KV_CACHE_DTYPES),
     Flag("max_model_len", "model.max_model_len", None,

@@ -89,3 +89,15 @@ def get_backend(name: str = "torch") -> AttentionBackend:
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
     return _BACKENDS[name]()
+
+
+def resolve_backend(name: str, device: str | torch.device) -> str:
+    """--attention-backend: auto is `cpu` (the C kernels) on a CPU and `torch` on other devices;
+    `cpu` on another device is refused."""
+    kind = torch.device(device).type
+    if name == "auto":
+        return "cpu" if kind == "cpu" else "torch"
+    if name == "cpu" and kind != "cpu":
+        raise ValueError(f"attention_backend cpu runs on the CPU only, not on device {str(device)!r}; "
+                         "use torch or auto")
+    return name

@@ -1,11 +1,13 @@
-"""Paged attention in plain torch: runs on CPU and unchanged on a CUDA device."""
+"""Paged attention in plain torch: runs on CPU and unchanged on a CUDA device.
+
+The `cpu` backend (cpu_backend.py) is this one with its decode, fp8 write and fp8 read done
+by compiled C kernels where they apply; the steps it replaces are the methods marked as such."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention import cpu_kernel
 from kvserve.attention.backend import FP8, AttentionBackend, AttentionMetadata, quantize_fp8, register_backend
 
 # Decodes are grouped by context length so that padding to the group's longest
@@ -25,8 +27,6 @@ class TorchAttentionBackend(AttentionBackend):
         # Scratch buffers reused by every layer and step: gathering K/V into fresh
         # multi-megabyte tensors each call costs more than the attention math.
         self._buffers: dict[str, torch.Tensor] = {}
-        # Decode with the C kernel where it builds (CPU); torch ops everywhere else.
-        self.use_c_kernel = True
 
     def _buffer(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         n = 1
@@ -43,15 +43,8 @@ class TorchAttentionBackend(AttentionBackend):
         self._write(v_cache, meta.slot_mapping, v, v_scale)
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd and self.use_c_kernel and cpu_kernel.supports(q, k_cache):
-            out[:nd] = cpu_kernel.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                               meta.seq_lens_tensor[:nd], max(meta.seq_lens[:nd]), scale,
-                                               k_scale, v_scale)
-        elif nd:
-            # The K scale folds into the softmax scale and the V scale into the output.
-            for group in _decode_groups(meta.seq_lens[:nd]):
-                o = self._decode(q[group], k_cache, v_cache, meta, group, scale * k_scale)
-                out[group] = o if v_scale == 1.0 else o * v_scale
+        if nd:
+            out[:nd] = self._decodes(q[:nd], k_cache, v_cache, meta, scale, k_scale, v_scale)
         for i in range(nd, meta.num_reqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             seq_len = meta.seq_lens[i]
@@ -64,23 +57,34 @@ class TorchAttentionBackend(AttentionBackend):
             out[start:end] = _prefill(q[start:end], kk, vv, seq_len, scale)
         return out
 
+    def _decodes(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float,
+                 v_scale: float) -> torch.Tensor:
+        """The first num_decodes requests, one query token each [nd, Hq, D] (the cpu backend's C kernel)."""
+        out = torch.empty_like(q)
+        # The K scale folds into the softmax scale and the V scale into the output.
+        for group in _decode_groups(meta.seq_lens[:q.shape[0]]):
+            o = self._decode(q[group], k_cache, v_cache, meta, group, scale * k_scale)
+            out[group] = o if v_scale == 1.0 else o * v_scale
+        return out
+
     def _write(self, cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float) -> None:
         """Store x [T, Hkv, D] at these slots of cache [num_blocks, block_size, Hkv, D]."""
         rows = cache.view(-1, *cache.shape[2:])
         if cache.dtype != FP8:
             rows.index_copy_(0, slots, x.to(cache.dtype))
-        elif self.use_c_kernel and cpu_kernel.supports_write(cache, x):
-            cpu_kernel.write_fp8(cache, slots, x, scale)
-        else:  # index_copy_ has no float8 kernel on the CPU: copy the codes as bytes
-            rows.view(torch.uint8).index_copy_(0, slots, quantize_fp8(x, scale).view(torch.uint8))
+        else:
+            self._write_fp8(cache, slots, x, scale)
+
+    def _write_fp8(self, cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float) -> None:
+        """x as float8 codes of x / scale at these slots (the cpu backend's C kernel)."""
+        # index_copy_ has no float8 kernel on the CPU: copy the codes as bytes
+        rows = cache.view(-1, *cache.shape[2:]).view(torch.uint8)
+        rows.index_copy_(0, slots, quantize_fp8(x, scale).view(torch.uint8))
 
     def _gather(self, cache: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
         """These blocks' K or V as [len(ids) * block_size, Hkv, D]: codes * scale in dtype for an fp8
-        cache, else rows of the cache's own dtype (the caller casts)."""
-        shape = (-1,) + tuple(cache.shape[2:])
-        if cache.dtype == FP8 and self.use_c_kernel and cpu_kernel.supports_dequant(cache, dtype):
-            return cpu_kernel.dequant_blocks(cache, ids, dtype, scale).view(shape)
-        rows = _select_blocks(cache, ids).view(shape)
+        cache (the cpu backend's C kernel), else rows of the cache's own dtype (the caller casts)."""
+        rows = _select_blocks(cache, ids).view((-1,) + tuple(cache.shape[2:]))
         return rows.to(dtype) * scale if cache.dtype == FP8 else rows
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, group: slice | list[int], scale: float):

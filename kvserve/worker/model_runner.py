@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kvserve.attention import FP8, FP8_MAX, Attention, AttentionMetadata, cpu_kernel, get_backend, set_attention_backend
+from kvserve.attention import (FP8, FP8_MAX, Attention, AttentionMetadata, get_backend, resolve_backend,
+                               set_attention_backend)
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.distributed.parallel import IntermediateTensors, Parallel
 from kvserve.layers.linear import kv_head_range
@@ -81,7 +82,8 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype, tp_size: 
 class ModelRunner:
     def __init__(self, model: nn.Module, hf_config, dtype: torch.dtype, num_blocks: int,
                  block_size: int, device: torch.device | str = "cpu", kv_cache_dtype: str = "auto",
-                 kv_calibration_ids: list[int] | None = None, parallel: Parallel | None = None) -> None:
+                 kv_calibration_ids: list[int] | None = None, parallel: Parallel | None = None,
+                 attention_backend: str = "auto") -> None:
         """kv_cache_dtype 'fp8' stores K/V as float8 e4m3fn with per-layer scales calibrated here by
         one forward of kv_calibration_ids (required then); 'auto' stores them in the model dtype.
 
@@ -91,11 +93,10 @@ class ModelRunner:
         self.parallel = parallel or Parallel()
         self.is_output_rank = self.parallel.pp.is_last and self.parallel.tp.is_first
         self.hidden_size = hf_config.hidden_size
-        # One backend instance for all layers, so its scratch buffers are shared.
-        set_attention_backend(model, get_backend("torch"))
         self.device = torch.device(device)
-        if self.device.type == "cpu":
-            cpu_kernel.load_kernel()  # build now rather than inside the first decode step
+        # One backend instance for all layers, so its scratch buffers are shared.
+        self.attention_backend = get_backend(resolve_backend(attention_backend, self.device))
+        set_attention_backend(model, self.attention_backend)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.vocab_size = hf_config.vocab_size

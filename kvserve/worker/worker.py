@@ -56,7 +56,7 @@ class Worker:
         tuning.tune_linears(self.loaded.model, self.loaded.dtype)
         self.runner = ModelRunner(self.loaded.model, self.loaded.hf_config, self.loaded.dtype, num_blocks,
                                   config.cache.block_size, config.device, config.cache.kv_cache_dtype,
-                                  kv_calibration_ids, parallel)
+                                  kv_calibration_ids, parallel, m.attention_backend)
         self.runner.eos_token_id = eos_token_id
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:

@@ -78,8 +78,7 @@ def _batch(seed: int, dtype: torch.dtype, cache_dtype: torch.dtype):
 
 def _run(seed, dtype, cache_dtype, c_kernel):
     q, k_new, v_new, (kc, vc), meta, reqs = _batch(seed, dtype, cache_dtype)
-    backend = get_backend("torch")
-    backend.use_c_kernel = c_kernel
+    backend = get_backend("cpu" if c_kernel else "torch")  # cpu: the torch backend + C kernels
     scales = (K_SCALE, V_SCALE) if cache_dtype == FP8 else (1.0, 1.0)
     out = backend.forward(q, k_new, v_new, kc, vc, meta, 0.25, *scales)
     return out, (kc, vc), meta, reqs
@@ -131,8 +130,7 @@ def test_writes_store_saturated_codes(c_kernel):
     k_new[0, 0, :3] = torch.tensor([1e4, -1e4, float("inf")])
     kc = torch.zeros(64, BS, HKV, D, dtype=FP8)
     vc = torch.zeros(64, BS, HKV, D, dtype=FP8)
-    backend = get_backend("torch")
-    backend.use_c_kernel = c_kernel
+    backend = get_backend("cpu" if c_kernel else "torch")  # cpu: the torch backend + C kernels
     backend.forward(q, k_new, v_new, kc, vc, meta, 0.25, K_SCALE, V_SCALE)
     stored_k = kc.view(-1, HKV, D)[meta.slot_mapping].float()
     stored_v = vc.view(-1, HKV, D)[meta.slot_mapping].float()

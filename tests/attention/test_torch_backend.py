@@ -62,8 +62,7 @@ def test_mixed_batch_matches_reference(seed, HKV, c_kernel):
     meta = AttentionMetadata(num_decodes=6, query_start_loc=qsl, seq_lens=seq_lens,
                              slot_mapping=torch.tensor(slots), block_tables=bt,
                              seq_lens_tensor=torch.tensor(seq_lens), block_size=BS)
-    backend = get_backend("torch")
-    backend.use_c_kernel = c_kernel
+    backend = get_backend("cpu" if c_kernel else "torch")  # cpu: the torch backend + C kernels
     out = backend.forward(q, k_new, v_new, kc, vc, meta, 0.3)
     for i in range(len(shapes)):
         ref = reference(qs[i], full_k[i], full_v[i], 0.3, HKV)
