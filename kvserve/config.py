@@ -38,7 +38,7 @@ def parse_size(value: int | str, field: str = "size") -> int:
 # Allowed values, shared by the validation below and the flags' choices (engine_args.py).
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8")
-ATTENTION_BACKENDS = ("auto", "cpu", "torch")  # attention/: cpu_backend.py, torch_backend.py
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")  # attention/: cpu_backend.py, torch_backend.py, ...
 PREFIX_CACHES = ("hash", "radix")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 

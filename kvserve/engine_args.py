@@ -91,7 +91,8 @@ FLAGS: tuple[Flag, ...] = (
          "weight quantization (default: what the checkpoint says; none: load dequantized)",
          choices=_quantization_choices, aliases=("-q",)),
     Flag("attention_backend", "model.attention_backend", "auto",
-         "paged attention kernels (auto: cpu on a CPU, torch elsewhere; cpu: compiled C kernels, torch: torch ops)",
+         "paged attention kernels (auto: cpu on a CPU, torch elsewhere; cpu: compiled C kernels, torch: torch ops, "
+         "triton: Triton kernels, CUDA)",
          choices=ATTENTION_BACKENDS),
     Flag("kv_cache_dtype", "cache.kv_cache_dtype", "auto",
          "fp8: KV stored as float8 e4m3 with per-layer scales (about 2x the tokens)", choices=KV_CACHE_DTYPES),

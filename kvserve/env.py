@@ -22,7 +22,7 @@ from typing import Any
 
 # Used when kvserve runs from a checkout without installed metadata.
 FALLBACK_DEPS = ("torch", "transformers", "tokenizers", "safetensors", "gguf", "fastapi", "uvicorn", "pydantic",
-                 "pyzmq", "redis", "ray")
+                 "pyzmq", "redis", "ray", "triton")
 # Variables that change threads, instruction sets or kernels, besides every KVSERVE_*.
 ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
             "MKL_ENABLE_INSTRUCTIONS", "CC")
@@ -42,7 +42,7 @@ def _attempt(fn: Callable[[], Any]) -> Any:
 
 
 def _dependencies() -> list[str]:
-    """kvserve's requirements and its `ray` extra, as the installed metadata lists them."""
+    """kvserve's requirements and its `ray` and `triton` extras, as the installed metadata lists them."""
     try:
         reqs = metadata.requires("kvserve") or []
     except metadata.PackageNotFoundError:
@@ -51,7 +51,7 @@ def _dependencies() -> list[str]:
     for req in reqs:
         spec, _, marker = req.partition(";")
         name = re.match(r"[A-Za-z0-9_.\-]+", spec.strip())
-        if name and (not marker or '"ray"' in marker) and name.group(0) not in names:
+        if name and (not marker or '"ray"' in marker or '"triton"' in marker) and name.group(0) not in names:
             names.append(name.group(0))
     return names
 
@@ -63,7 +63,7 @@ def _versions() -> dict[str, str]:
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
-            pass  # an optional one (ray) that is not installed
+            pass  # an optional one (ray, triton) that is not installed
     return out
 
 

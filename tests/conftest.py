@@ -7,7 +7,12 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+# Triton kernels (kvserve/attention/triton_backend.py) run in Triton's interpreter here, on the
+# CPU; Triton reads this when it is first imported. scripts/gpu_check.sh sets 0: compiled, on CUDA.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

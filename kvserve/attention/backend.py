@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -78,6 +80,8 @@ class AttentionBackend(ABC):
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
+# Backends whose module is imported when first asked for (triton is an optional, heavy import).
+_LAZY = {"triton": "kvserve.attention.triton_backend"}
 
 
 def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
@@ -86,18 +90,23 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
 
 
 def get_backend(name: str = "torch") -> AttentionBackend:
+    if name not in _BACKENDS and name in _LAZY:
+        importlib.import_module(_LAZY[name])
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
     return _BACKENDS[name]()
 
 
 def resolve_backend(name: str, device: str | torch.device) -> str:
-    """--attention-backend: auto is `cpu` (the C kernels) on a CPU and `torch` on other devices;
-    `cpu` on another device is refused."""
+    """--attention-backend: auto is `cpu` (the C kernels) on a CPU and `torch` on other devices
+    (`triton` has not been measured on a GPU yet); `cpu` on another device is refused."""
     kind = torch.device(device).type
     if name == "auto":
         return "cpu" if kind == "cpu" else "torch"
     if name == "cpu" and kind != "cpu":
         raise ValueError(f"attention_backend cpu runs on the CPU only, not on device {str(device)!r}; "
                          "use torch or auto")
+    if name == "triton" and kind == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise ValueError("attention_backend triton runs on a CUDA device; on a CPU only in Triton's interpreter "
+                         "(TRITON_INTERPRET=1, for tests)")
     return name

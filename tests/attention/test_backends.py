@@ -3,6 +3,9 @@ and the same greedy tokens from the engine under each."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 
 from kvserve import LLM, SamplingParams
@@ -32,6 +35,13 @@ def test_bad_choices_name_the_field():
         get_backend("flash")
 
 
+def test_triton_on_a_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="attention_backend triton runs on a CUDA device"):
+        resolve_backend("triton", "cpu")
+    assert resolve_backend("triton", "cuda") == "triton"
+
+
 def test_every_backend_gives_the_same_greedy_tokens(tiny_model_factory):
     """Mixed prefills and decodes over shared cached blocks, in float32 where the two compute alike."""
     model = str(tiny_model_factory("llama"))
@@ -39,7 +49,10 @@ def test_every_backend_gives_the_same_greedy_tokens(tiny_model_factory):
     prompts.append(prompts[0][:18] + [5, 6, 7])  # a prefix hit: prefill over cached blocks
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     tokens = {}
-    for name in ("cpu", "torch"):
+    names = ["cpu", "torch"]
+    if importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1":
+        names.append("triton")  # in Triton's interpreter (tests/conftest.py), which the test extra installs
+    for name in names:
         llm = LLM(model=model, dtype="float32", attention_backend=name, block_size=8, check_integrity=True)
         try:
             assert type(llm.engine.executor.runner.attention_backend).name == name
@@ -47,3 +60,5 @@ def test_every_backend_gives_the_same_greedy_tokens(tiny_model_factory):
         finally:
             llm.close()
     assert tokens["cpu"] == tokens["torch"]
+    if "triton" in tokens:
+        assert tokens["triton"] == tokens["torch"]
