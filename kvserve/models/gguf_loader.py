@@ -299,11 +299,12 @@ def _tokenizer_cache_dir(path: Path) -> Path:
     return cache_dir() / "gguf_tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def gguf_tokenizer(path: Path, reader: Any) -> Any:
+def gguf_tokenizer(path: Path, reader: Any = None) -> Any:
     """transformers' tokenizer built from the GGUF vocab, with the file's chat template.
 
     The converted tokenizer is cached on disk (see `_tokenizer_cache_dir`); a
-    cache that cannot be written or read is skipped silently.
+    cache that cannot be written or read is skipped silently. On a cache hit the file's
+    metadata is not parsed at all (`reader`, if not given, is opened only on a miss).
     """
     from transformers import AutoTokenizer
 
@@ -317,7 +318,7 @@ def gguf_tokenizer(path: Path, reader: Any) -> Any:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:
         raise ValueError(f"cannot build a tokenizer from GGUF file {str(path)!r}: {type(e).__name__}: {e}") from e
-    template = _field(reader, "tokenizer.chat_template")
+    template = _field(reader if reader is not None else open_gguf(path), "tokenizer.chat_template")
     if template and not getattr(tok, "chat_template", None):
         tok.chat_template = template
     _save_tokenizer(tok, cache)

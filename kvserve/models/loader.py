@@ -160,7 +160,7 @@ def load_tokenizer(model: str | None = None) -> Any:
     path = _resolve_path(model)
     gguf_file = _find_gguf(path)
     if gguf_file is not None:
-        return gguf_loader.gguf_tokenizer(gguf_file, gguf_loader.open_gguf(gguf_file))
+        return gguf_loader.gguf_tokenizer(gguf_file)
     return _hf_tokenizer(path)
 
 
