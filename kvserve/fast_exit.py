@@ -15,11 +15,12 @@ import sys
 from typing import NoReturn
 
 
-def exit_process(code: int) -> NoReturn:
+def exit_process(code: int | None) -> NoReturn:
+    """Like sys.exit(code) (None is 0) from a process that has closed what it owns."""
     atexit._run_exitfuncs()  # logging, multiprocessing's child joins, anything else registered
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError, AttributeError):  # closed, or None under pythonw
             pass
-    os._exit(code)
+    os._exit(0 if code is None else code)
