@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,9 +74,10 @@ class KVConnector(ABC):
         """The request was scheduled: block_ids[i] takes hits[i]'s K/V in this step."""
 
     @abstractmethod
-    def build_meta(self, out: SchedulerOutput) -> Any:
-        """This step's plan for the worker half (the scheduled requests are in `out`, their
-        num_computed_tokens already counting this step's tokens). Called once per step."""
+    def build_meta(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> Any:
+        """This step's plan for the worker half. `out` names the scheduled requests, `requests`
+        holds them by id (their num_computed_tokens already count this step's tokens). Called
+        once per step."""
 
     # ---- requests that wait for their KV ------------------------------------------
 

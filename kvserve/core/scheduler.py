@@ -46,7 +46,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self._order[request.request_id] = (request.priority, request.arrival_time, next(self._seq))
-        if self.connector is not None and self.connector.start_load(request, self.kv.num_cached_blocks(request)):
+        if (self.connector is not None and not request.skip_prefix_cache
+                and self.connector.start_load(request, self.kv.num_cached_blocks(request))):
             request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self._enqueue(request)
 
@@ -114,7 +115,7 @@ class Scheduler:
         if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
         if self.connector is not None:
-            out.kv_connector_meta = self.connector.build_meta(out)
+            out.kv_connector_meta = self.connector.build_meta(out, self.requests)
         return out
 
     @property
@@ -167,7 +168,8 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.pop(0)
-            if req.status == RequestStatus.WAITING_FOR_REMOTE_KV or (req.leader_id is not None and not self._fork_from_leader(req, out)):
+            if (req.status == RequestStatus.WAITING_FOR_REMOTE_KV
+                    or (req.leader_id is not None and not self._fork_from_leader(req, out))):
                 skipped.append(req)
                 continue
             computed: list[int] = []

@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,7 +116,6 @@ class TierManager(KVConnector, KVConnectorWorker):
         self._ready: dict[bytes, bytes] = {}  # verified data of this step's lookups, by key
         self._offloads: list[EvictedBlock] = []  # evicted since the last step
         self._onloads: list[tuple[int, TierHit]] = []  # allocated this step
-        self._requests: dict[str, Request] = {}  # every live request, by id (for write-through)
         self._written: dict[str, int] = {}  # request id -> its full blocks sent to the remote tier
         self._done: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._done_event = threading.Event()
@@ -165,18 +165,17 @@ class TierManager(KVConnector, KVConnectorWorker):
     def on_allocated(self, request: Request, block_ids: list[int], hits: list[TierHit]) -> None:
         self._onloads.extend(zip(block_ids, hits))
 
-    def build_meta(self, out: SchedulerOutput) -> TierStepMeta:
-        meta = TierStepMeta(self._offloads, self._onloads, self._new_full_blocks(out) if self.cfg.writes_through else [])
+    def build_meta(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> TierStepMeta:
+        writes = self._new_full_blocks(out, requests) if self.cfg.writes_through else []
+        meta = TierStepMeta(self._offloads, self._onloads, writes)
         self._offloads, self._onloads = [], []
         return meta
 
-    def _new_full_blocks(self, out: SchedulerOutput) -> list[tuple[str, EvictedBlock]]:
+    def _new_full_blocks(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> list[tuple[str, EvictedBlock]]:
         """Full blocks the step's forward completes, not sent to the remote tier before."""
         todo: list[tuple[str, EvictedBlock]] = []
         for rid in out.num_scheduled_tokens:
-            req = self._requests.get(rid)
-            if req is None:
-                continue
+            req = requests[rid]
             # Blocks the request found cached were computed (and sent) before.
             done = self._written.setdefault(rid, max(req.num_cached_tokens, 0) // self.block_size)
             full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
@@ -225,9 +224,6 @@ class TierManager(KVConnector, KVConnectorWorker):
 
     # ---- KVConnectorWorker: the copies -----------------------------------------------
 
-    def before_forward(self, meta: TierStepMeta, runner: Any) -> None:
-        self._transfer(meta.offloads, meta.onloads, runner)
-
     def after_forward(self, meta: TierStepMeta, runner: Any) -> None:
         # A request finished meanwhile (pipeline parallel: later steps ran) may have lost its blocks.
         todo = [b for rid, b in meta.writes if rid in self._written]
@@ -241,8 +237,9 @@ class TierManager(KVConnector, KVConnectorWorker):
             except queue.Full:
                 self.writes_dropped += 1
 
-    def _transfer(self, kv_offload: list[EvictedBlock], kv_onload: list[tuple[int, TierHit]], runner: Any) -> None:
+    def before_forward(self, meta: TierStepMeta, runner: Any) -> None:
         """Copy evicted blocks out of the device, then loaded blocks in."""
+        kv_offload, kv_onload = meta.offloads, meta.onloads
         # A block loaded from RAM and evicted again is still there (same key, same content) with
         # its hit count, which admission to disk needs: only mark it recently used.
         if self.host is not None:
@@ -319,8 +316,7 @@ class TierManager(KVConnector, KVConnectorWorker):
     # ---- KVConnector: prefetch from slow tiers -------------------------------------
 
     def start_load(self, request: Request, num_device_blocks: int) -> bool:
-        self._requests[request.request_id] = request
-        if not self.slow or request.skip_prefix_cache:
+        if not self.slow:
             return False
         max_blocks = max_cached_blocks(request, self.block_size)
         if num_device_blocks >= max_blocks:
@@ -354,7 +350,6 @@ class TierManager(KVConnector, KVConnectorWorker):
 
     def forget(self, request_id: str) -> None:
         self._lookups.pop(request_id, None)
-        self._requests.pop(request_id, None)
         self._written.pop(request_id, None)
         with self._lock:
             if request_id in self._fetching:

@@ -6,6 +6,7 @@ held until it says they were sent)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from kvserve.core.kv_connector import DEVICE_TIER, EvictedBlock, KVConnector, TierHit
@@ -45,7 +46,7 @@ class FakeConnector(KVConnector):
     def on_allocated(self, request: Request, block_ids: list[int], hits: list[TierHit]) -> None:
         self.onloads.extend(zip(block_ids, hits))
 
-    def build_meta(self, out: SchedulerOutput) -> dict[str, Any]:
+    def build_meta(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, Any]:
         self.step += 1
         meta = {"step": self.step, "onloads": self.onloads, "scheduled": dict(out.num_scheduled_tokens)}
         self.onloads = []
