@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,26 @@ PREFIX_CACHES = ("hash", "radix")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
+def triton_interpreting() -> bool:
+    """Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1): on a CPU, for tests."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def resolve_attention_backend(name: str, device: Any) -> str:
+    """--attention-backend on `device` (a name or a torch.device): auto is `cpu` (the C kernels)
+    on a CPU and `torch` on other devices (`triton` has not been measured on a GPU yet); `cpu`
+    on another device, and `triton` on a CPU outside Triton's interpreter, are refused."""
+    kind = str(device).split(":")[0]
+    if name == "auto":
+        return "cpu" if kind == "cpu" else "torch"
+    if name == "cpu" and kind != "cpu":
+        raise ValueError(f"attention_backend cpu runs on the CPU only, not on device {str(device)!r}; "
+                         "use torch or auto")
+    if name == "triton" and kind == "cpu" and not triton_interpreting():
+        raise ValueError("attention_backend triton runs on a CUDA device; on a CPU only in Triton's interpreter "
+                         "(TRITON_INTERPRET=1, for tests)")
+    return name
+
 def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -73,7 +94,7 @@ class ModelConfig:
     # The model's sampling defaults for requests that omit a field (models/generation_config.py):
     # auto (generation_config.json or GGUF general.sampling.*), none, or a directory
     generation_config: str = "auto"
-    # auto: cpu (the C kernels) on a CPU, torch elsewhere; attention/backend.py resolve_backend
+    # auto: cpu (the C kernels) on a CPU, torch elsewhere (resolve_attention_backend)
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -302,9 +323,7 @@ class EngineConfig:
         if not isinstance(self.device, str) or not self.device:
             raise ValueError(f"device must be a device name such as 'cpu' or 'cuda', got {self.device!r}")
         _check_bool("check_integrity", self.check_integrity)
-        if self.model.attention_backend == "cpu" and not self.device.startswith("cpu"):
-            raise ValueError(f"attention_backend cpu runs on the CPU only, not on device {self.device!r}; "
-                             "use torch or auto")
+        resolve_attention_backend(self.model.attention_backend, self.device)  # refuses a pair that cannot run
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

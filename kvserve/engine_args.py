@@ -16,8 +16,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvserve.config import (ATTENTION_BACKENDS, DTYPES, EXECUTOR_BACKENDS, KV_CACHE_DTYPES, PREFIX_CACHES, CacheConfig, EngineConfig,
-                            KVEventsConfig, ModelConfig, ParallelConfig, SchedulerConfig, TierConfig, parse_size)
+from kvserve.config import (ATTENTION_BACKENDS, DTYPES, EXECUTOR_BACKENDS, KV_CACHE_DTYPES, PREFIX_CACHES, CacheConfig,
+                            EngineConfig, KVEventsConfig, ModelConfig, ParallelConfig, SchedulerConfig, TierConfig,
+                            parse_size)
 
 # The exit code of every kvserve command given a bad flag or value (the message names it).
 EXIT_BAD_INPUT = 2

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -96,17 +95,3 @@ def get_backend(name: str = "torch") -> AttentionBackend:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
     return _BACKENDS[name]()
 
-
-def resolve_backend(name: str, device: str | torch.device) -> str:
-    """--attention-backend: auto is `cpu` (the C kernels) on a CPU and `torch` on other devices
-    (`triton` has not been measured on a GPU yet); `cpu` on another device is refused."""
-    kind = torch.device(device).type
-    if name == "auto":
-        return "cpu" if kind == "cpu" else "torch"
-    if name == "cpu" and kind != "cpu":
-        raise ValueError(f"attention_backend cpu runs on the CPU only, not on device {str(device)!r}; "
-                         "use torch or auto")
-    if name == "triton" and kind == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        raise ValueError("attention_backend triton runs on a CUDA device; on a CPU only in Triton's interpreter "
-                         "(TRITON_INTERPRET=1, for tests)")
-    return name

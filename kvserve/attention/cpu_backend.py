@@ -24,12 +24,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         cpu_kernel.load_kernel()  # build now rather than inside the first decode step
 
     def _decodes(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float,
-                 v_scale: float) -> torch.Tensor:
+                 v_scale: float, out: torch.Tensor) -> None:
         if not cpu_kernel.supports(q, k_cache):
-            return super()._decodes(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+            return super()._decodes(q, k_cache, v_cache, meta, scale, k_scale, v_scale, out)
         nd = q.shape[0]
-        return cpu_kernel.paged_decode(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_tensor[:nd],
-                                       max(meta.seq_lens[:nd]), scale, k_scale, v_scale)
+        out.copy_(cpu_kernel.paged_decode(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_tensor[:nd],
+                                          max(meta.seq_lens[:nd]), scale, k_scale, v_scale))
 
     def _write_fp8(self, cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float) -> None:
         if cpu_kernel.supports_write(cache, x):

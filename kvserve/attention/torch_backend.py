@@ -44,7 +44,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decodes(q[:nd], k_cache, v_cache, meta, scale, k_scale, v_scale)
+            self._decodes(q[:nd], k_cache, v_cache, meta, scale, k_scale, v_scale, out[:nd])
         for i in range(nd, meta.num_reqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             seq_len = meta.seq_lens[i]
@@ -58,14 +58,13 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _decodes(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float,
-                 v_scale: float) -> torch.Tensor:
-        """The first num_decodes requests, one query token each [nd, Hq, D] (the cpu backend's C kernel)."""
-        out = torch.empty_like(q)
+                 v_scale: float, out: torch.Tensor) -> None:
+        """Into out: the first num_decodes requests, one query token each [nd, Hq, D] (the cpu
+        backend's C kernel)."""
         # The K scale folds into the softmax scale and the V scale into the output.
         for group in _decode_groups(meta.seq_lens[:q.shape[0]]):
             o = self._decode(q[group], k_cache, v_cache, meta, group, scale * k_scale)
             out[group] = o if v_scale == 1.0 else o * v_scale
-        return out
 
     def _write(self, cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float) -> None:
         """Store x [T, Hkv, D] at these slots of cache [num_blocks, block_size, Hkv, D]."""

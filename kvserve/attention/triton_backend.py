@@ -15,11 +15,10 @@ how the tests check them on machines without a GPU.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kvserve.attention.backend import FP8, AttentionBackend, AttentionMetadata, register_backend
+from kvserve.config import triton_interpreting
 
 try:
     import triton
@@ -28,10 +27,6 @@ except ImportError:  # the backend refuses to start (TritonAttentionBackend.__in
     triton = None
 
 BLOCK_M = 16  # queries per program (a decode uses one row of it)
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 if triton is not None:
@@ -133,7 +128,7 @@ class TritonAttentionBackend(AttentionBackend):
         return self._tensors
 
     def _check_device(self, x: torch.Tensor) -> None:
-        if x.device.type == "cpu" and not interpreting():
+        if x.device.type == "cpu" and not triton_interpreting():
             raise RuntimeError("the triton attention backend runs on a CUDA device; on a CPU only in Triton's "
                                "interpreter (TRITON_INTERPRET=1, for tests)")
 
@@ -156,7 +151,7 @@ class TritonAttentionBackend(AttentionBackend):
         if meta.num_tokens == 0:
             return out
         query_start, seq_lens = self._device_meta(meta, q.device)
-        t, hq, d = q.shape
+        _, hq, d = q.shape
         bs, hkv = k_cache.shape[1], k_cache.shape[2]
         max_q = max(b - a for a, b in zip(meta.query_start_loc, meta.query_start_loc[1:]))
         grid = (meta.num_reqs, hq, triton.cdiv(max_q, BLOCK_M))

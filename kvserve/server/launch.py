@@ -86,7 +86,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
     from kvserve.server.openai_api import build_app
 
     # The engine process is spawned first, so its imports and model load run beside this
-    # process's own (a tiny model's server was healthy after 13 s one after the other, 9 s so).
+    # process's own (BENCHMARKS.md, "Start and stop": a test model's server 14.1 -> 11.5 s).
     starting = asyncio.get_running_loop().create_task(AsyncEngine.start(config))
     try:
         await asyncio.sleep(0)  # the task spawns the process before its first await

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kvserve.attention import (FP8, FP8_MAX, Attention, AttentionMetadata, get_backend, resolve_backend,
-                               set_attention_backend)
+from kvserve.attention import FP8, FP8_MAX, Attention, AttentionMetadata, get_backend, set_attention_backend
+from kvserve.config import resolve_attention_backend
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.distributed.parallel import IntermediateTensors, Parallel
 from kvserve.layers.linear import kv_head_range
@@ -95,7 +95,7 @@ class ModelRunner:
         self.hidden_size = hf_config.hidden_size
         self.device = torch.device(device)
         # One backend instance for all layers, so its scratch buffers are shared.
-        self.attention_backend = get_backend(resolve_backend(attention_backend, self.device))
+        self.attention_backend = get_backend(resolve_attention_backend(attention_backend, self.device))
         set_attention_backend(model, self.attention_backend)
         self.block_size = block_size
         self.num_blocks = num_blocks

@@ -9,10 +9,11 @@ import os
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.attention import get_backend, resolve_backend
+from kvserve.attention import get_backend
 from kvserve.attention.cpu_backend import CpuAttentionBackend
 from kvserve.attention.torch_backend import TorchAttentionBackend
 from kvserve.config import EngineConfig
+from kvserve.config import resolve_attention_backend as resolve_backend
 
 
 def test_auto_is_the_c_kernels_on_a_cpu_and_torch_elsewhere():

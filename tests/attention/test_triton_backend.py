@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from kvserve.attention import FP8, AttentionMetadata, get_backend, quantize_fp8  # noqa: E402
-from kvserve.attention.triton_backend import interpreting  # noqa: E402
+from kvserve.config import triton_interpreting as interpreting  # noqa: E402
 
 if not interpreting() and not torch.cuda.is_available():
     pytest.skip("compiled Triton kernels need CUDA (TRITON_INTERPRET=0 and no GPU)", allow_module_level=True)
