@@ -42,6 +42,9 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")  # attention/: cpu_backend.py, torch_backend.py, ...
 PREFIX_CACHES = ("hash", "radix")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+KV_ROLES = ("prefill", "decode", "both")  # --kv-role; vLLM's kv_producer / kv_consumer / kv_both
+KV_TRANSPORTS = ("auto", "zmq", "shm")  # disagg/transport.py; auto: shm when the peer is this host
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
 def triton_interpreting() -> bool:
@@ -200,6 +203,137 @@ class KVEventsConfig:
         return f"tcp://{m.group(1)}:{int(m.group(2)) + 1}"
 
 
+_VLLM_KV_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+_KV_TRANSFER_KEYS = ("kv_connector", "kv_role", "kv_ip", "kv_port", "engine_id", "kv_load_failure_policy",
+                     "kv_connector_extra_config")
+_KV_EXTRA_KEYS = ("transport", "lease_s", "fetch_timeout_s")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation (disagg/): this engine's role, and `--kv-transfer-config`,
+    a JSON object in the shape of vLLM's (kv_connector, kv_role, kv_ip, kv_port, engine_id,
+    kv_load_failure_policy, kv_connector_extra_config: {transport, lease_s, fetch_timeout_s}).
+    Off unless a role is given, by --kv-role or by the JSON's kv_role."""
+
+    role: str | None = None  # --kv-role
+    transfer_config: dict[str, Any] | None = None  # --kv-transfer-config, parsed
+    load_failure_policy: str | None = None  # --kv-load-failure-policy (default recompute)
+
+    def __post_init__(self) -> None:
+        if self.role is not None:
+            _check_choice("kv_role", self.role, KV_ROLES)
+        cfg = self.transfer_config or {}
+        if not isinstance(cfg, dict):
+            raise ValueError(f"kv_transfer_config must be a JSON object, got {cfg!r}")
+        unknown = sorted(set(cfg) - set(_KV_TRANSFER_KEYS))
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown key {unknown[0]!r}; known: {', '.join(_KV_TRANSFER_KEYS)}")
+        if cfg.get("kv_connector", "PDConnector") != "PDConnector":
+            raise ValueError(f"kv_transfer_config.kv_connector must be 'PDConnector', got {cfg['kv_connector']!r}")
+        if "kv_role" in cfg:
+            role = _VLLM_KV_ROLES.get(cfg["kv_role"], cfg["kv_role"])
+            _check_choice("kv_transfer_config.kv_role", role, KV_ROLES)
+            if self.role is not None and role != self.role:
+                raise ValueError(f"kv_role {self.role!r} and kv_transfer_config.kv_role {cfg['kv_role']!r} disagree")
+        if not isinstance(cfg.get("kv_ip", ""), str):
+            raise ValueError(f"kv_transfer_config.kv_ip must be a host name or address, got {cfg['kv_ip']!r}")
+        port = cfg.get("kv_port", 0)
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"kv_transfer_config.kv_port must be in [0, 65535], got {port!r}")
+        policy = cfg.get("kv_load_failure_policy")
+        if policy is not None:
+            _check_choice("kv_transfer_config.kv_load_failure_policy", policy, KV_LOAD_FAILURE_POLICIES)
+        if self.load_failure_policy is not None:
+            _check_choice("kv_load_failure_policy", self.load_failure_policy, KV_LOAD_FAILURE_POLICIES)
+            if policy is not None and policy != self.load_failure_policy:
+                raise ValueError(f"kv_load_failure_policy {self.load_failure_policy!r} and "
+                                 f"kv_transfer_config.kv_load_failure_policy {policy!r} disagree")
+        extra = cfg.get("kv_connector_extra_config", {})
+        if not isinstance(extra, dict):
+            raise ValueError("kv_transfer_config.kv_connector_extra_config must be a JSON object")
+        unknown = sorted(set(extra) - set(_KV_EXTRA_KEYS))
+        if unknown:
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config: unknown key {unknown[0]!r}; "
+                             f"known: {', '.join(_KV_EXTRA_KEYS)}")
+        _check_choice("kv_transfer_config.kv_connector_extra_config.transport", self.transport, KV_TRANSPORTS)
+        for name in ("lease_s", "fetch_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"kv_transfer_config.kv_connector_extra_config.{name} must be a positive "
+                                 f"number of seconds, got {v!r}")
+
+    @property
+    def kv_role(self) -> str | None:
+        """prefill | decode | both, or None: no transfer."""
+        cfg = self.transfer_config or {}
+        return self.role or _VLLM_KV_ROLES.get(cfg.get("kv_role"), cfg.get("kv_role"))
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_role is not None
+
+    @property
+    def produces(self) -> bool:
+        """Computes prompts whose K/V another engine decodes from."""
+        return self.kv_role in ("prefill", "both")
+
+    @property
+    def consumes(self) -> bool:
+        """Decodes from K/V another engine computed."""
+        return self.kv_role in ("decode", "both")
+
+    @property
+    def host(self) -> str:
+        """The address the prefill side serves its K/V on, and tells decode engines."""
+        return (self.transfer_config or {}).get("kv_ip", "127.0.0.1")
+
+    @property
+    def port(self) -> int:
+        """0: a free port, picked at start."""
+        return (self.transfer_config or {}).get("kv_port", 0)
+
+    @property
+    def engine_id(self) -> str | None:
+        return (self.transfer_config or {}).get("engine_id")
+
+    @property
+    def policy(self) -> str:
+        return self.load_failure_policy or (self.transfer_config or {}).get("kv_load_failure_policy", "recompute")
+
+    def _extra(self, key: str, default: Any) -> Any:
+        return (self.transfer_config or {}).get("kv_connector_extra_config", {}).get(key, default)
+
+    @property
+    def transport(self) -> str:
+        return self._extra("transport", "auto")
+
+    @property
+    def lease_s(self) -> float:
+        """How long a prefill engine keeps K/V that no decode engine has fetched."""
+        return self._extra("lease_s", 60.0)
+
+    @property
+    def fetch_timeout_s(self) -> float:
+        """How long a decode engine waits for a prefill engine's K/V before giving up."""
+        return self._extra("fetch_timeout_s", 30.0)
+
+
+def parse_json_object(value: str | dict | None, name: str) -> dict[str, Any] | None:
+    """A flag's JSON object ('{"a": 1}'), or the dict itself from LLM(...) keywords."""
+    import json
+
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        out = json.loads(value)
+    except (TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{name} must be a JSON object: {e}") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    return out
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """The scheduler's limits. None fields are filled in by the engine, which knows the model:
@@ -311,12 +445,14 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     tiers: TierConfig = field(default_factory=TierConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     device: str = "cpu"
     check_integrity: bool = False  # check the KV cache's invariants after every step (tests)
 
     def __post_init__(self) -> None:
         sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                    "parallel": ParallelConfig, "tiers": TierConfig, "kv_events": KVEventsConfig}
+                    "parallel": ParallelConfig, "tiers": TierConfig, "kv_events": KVEventsConfig,
+                    "kv_transfer": KVTransferConfig}
         for name, cls in sections.items():
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(f"EngineConfig.{name} must be a {cls.__name__}, got {getattr(self, name)!r}")
@@ -324,6 +460,9 @@ class EngineConfig:
             raise ValueError(f"device must be a device name such as 'cpu' or 'cuda', got {self.device!r}")
         _check_bool("check_integrity", self.check_integrity)
         resolve_attention_backend(self.model.attention_backend, self.device)  # refuses a pair that cannot run
+        if self.kv_transfer.enabled and self.tiers.enabled:
+            raise ValueError("kv_role (prefill/decode transfer) cannot be combined with the KV tiers "
+                             "(kv_offload_cpu, kv_offload_disk, kv_remote) yet: an engine has one KV connector")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -16,22 +16,24 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvserve.config import (ATTENTION_BACKENDS, DTYPES, EXECUTOR_BACKENDS, KV_CACHE_DTYPES, PREFIX_CACHES, CacheConfig,
-                            EngineConfig, KVEventsConfig, ModelConfig, ParallelConfig, SchedulerConfig, TierConfig,
-                            parse_size)
+from kvserve.config import (ATTENTION_BACKENDS, DTYPES, EXECUTOR_BACKENDS, KV_CACHE_DTYPES, KV_LOAD_FAILURE_POLICIES,
+                            KV_ROLES, PREFIX_CACHES, CacheConfig, EngineConfig, KVEventsConfig, KVTransferConfig,
+                            ModelConfig, ParallelConfig, SchedulerConfig, TierConfig, parse_json_object, parse_size)
 
 # The exit code of every kvserve command given a bad flag or value (the message names it).
 EXIT_BAD_INPUT = 2
 
 # EngineConfig's sections, by the name a Flag.target starts with.
 SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                             "parallel": ParallelConfig, "tiers": TierConfig, "kv_events": KVEventsConfig}
+                             "parallel": ParallelConfig, "tiers": TierConfig, "kv_events": KVEventsConfig,
+                             "kv_transfer": KVTransferConfig}
 
 GROUP_TITLES = {
     "engine": "engine",
     "parallel": "parallelism (ranks = tensor-parallel x pipeline-parallel size)",
     "tiers": "KV tiers (blocks evicted from the KV cache are kept here and loaded back on a hit)",
     "kv_events": "KV events (the blocks this engine caches, published for `kvserve router`)",
+    "kv_transfer": "prefill/decode disaggregation (K/V computed by one engine, decoded by another)",
 }
 
 
@@ -161,6 +163,19 @@ FLAGS: tuple[Flag, ...] = (
     Flag("kv_events_replay_endpoint", "kv_events.replay_endpoint", None,
          "where a (re)connecting subscriber gets a snapshot of the current blocks "
          "(default: the endpoint's port + 1)", group="kv_events", metavar="ADDR"),
+    # ---- prefill/decode disaggregation
+    Flag("kv_role", "kv_transfer.role", None,
+         "prefill: computes prompts and serves their K/V to decode engines; decode: generates from K/V "
+         "pulled from a prefill engine (requests name it in kv_transfer_params); both", group="kv_transfer",
+         choices=KV_ROLES),
+    Flag("kv_transfer_config", "kv_transfer.transfer_config", None,
+         "JSON in vLLM's shape, e.g. '{\"kv_connector\":\"PDConnector\",\"kv_role\":\"kv_producer\",'"
+         "'\"kv_ip\":\"127.0.0.1\",\"kv_port\":14579,\"kv_connector_extra_config\":{\"transport\":\"auto\"}}'; "
+         "transport zmq (TCP), shm (shared memory, same host) or auto", group="kv_transfer",
+         convert=parse_json_object, metavar="JSON"),
+    Flag("kv_load_failure_policy", "kv_transfer.load_failure_policy", None,
+         "when K/V cannot be pulled from the prefill engine: recompute (prefill here; default) or fail "
+         "(the request fails with an error)", group="kv_transfer", choices=KV_LOAD_FAILURE_POLICIES),
 )
 
 FLAGS_BY_NAME: dict[str, Flag] = {f.name: f for f in FLAGS}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -51,3 +52,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # num_cached_tokens split by where the K/V came from: "device", "cpu", "disk", "remote"
     num_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    # Prefill/decode disaggregation (disagg/): on a prefill engine's finished output, where a decode
+    # engine fetches this prompt's K/V (vLLM's field)
+    kv_transfer_params: dict[str, Any] | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
 
@@ -42,6 +43,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # Arguments for parts of the engine beyond sampling, as vLLM's extra_args: "kv_transfer_params"
+    # (disagg/params.py). Must survive msgpack: plain JSON values.
+    extra_args: dict[str, Any] | None = None
     # Normalised copy of `stop` (always a list); filled in __post_init__.
     stop_strings: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -75,6 +79,8 @@ class SamplingParams:
                 raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
         if isinstance(stop, str) and stop == "" or isinstance(stop, (list, tuple)) and "" in stop:
             raise ValueError("stop must not contain empty strings")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}")
         ids = self.stop_token_ids
         if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids)):
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {ids!r}")

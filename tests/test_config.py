@@ -26,6 +26,7 @@ EXAMPLES = {
     "kv_offload_disk_min_hits": 2, "kv_remote": "redis://127.0.0.1:6379", "kv_remote_min_hits": 3,
     "kv_remote_write_through": False,
     "kv_events_endpoint": "tcp://127.0.0.1:5557", "kv_events_replay_endpoint": "tcp://127.0.0.1:6000",
+    "kv_role": "decode", "kv_transfer_config": '{"kv_port": 5000}', "kv_load_failure_policy": "fail",
 }
 # Flags that only make sense with another one.
 NEEDS = {"kv_events_replay_endpoint": {"kv_events_endpoint": "tcp://127.0.0.1:5557"}}
@@ -91,7 +92,8 @@ def test_each_flag_round_trips(name):
 
 
 def test_all_flags_together_round_trip_and_pickle():
-    kwargs = dict(EXAMPLES, cpu_threads_bind="0-1|2-3|4,6|5")  # four ranks: tp 2 x pp 2
+    # four ranks: tp 2 x pp 2; no kv_role: an engine has either KV tiers or prefill/decode transfer
+    kwargs = {k: v for k, v in EXAMPLES.items() if k != "kv_role"} | {"cpu_threads_bind": "0-1|2-3|4,6|5"}
     from_kwargs, from_cli = both_ways(kwargs)
     assert from_cli == from_kwargs
     config = EngineConfig.from_kwargs(**kwargs)

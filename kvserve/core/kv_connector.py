@@ -91,6 +91,11 @@ class KVConnector(ABC):
     def finished_loading(self) -> list[str]:
         """Request ids whose load has finished (successfully or not) since the last call."""
 
+    def load_error(self, request_id: str) -> str | None:
+        """Asked once for each request `finished_loading` names: why it must fail rather than run
+        without the K/V it waited for, or None (it runs, with whatever `lookup` now finds)."""
+        return None
+
     def wait(self, timeout: float) -> None:
         """Nothing but loads to wait for: block until one may have finished, or `timeout`."""
         time.sleep(timeout)
@@ -105,6 +110,18 @@ class KVConnector(ABC):
     def finished_sending(self) -> list[str]:
         """Request ids whose held blocks may now be freed."""
         return []
+
+    def take_output_params(self, request_id: str) -> dict[str, Any] | None:
+        """What the finished request's output tells its caller about its K/V (`kv_transfer_params`:
+        where a decode engine fetches it), once."""
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for the engine's stats (and /metrics)."""
+        return {}
+
+    def close(self) -> None:
+        """Stop background work; the engine is going away."""
 
     @abstractmethod
     def forget(self, request_id: str) -> None:

@@ -39,6 +39,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         # Finished requests whose blocks the connector still reads (request_finished -> True).
         self.held: dict[str, Request] = {}
+        # Requests finished because their connector could not load their KV: id -> why.
+        self.failed: dict[str, str] = {}
         self.num_preemptions = 0
 
     # ---- queue management -------------------------------------------------
@@ -82,6 +84,10 @@ class Scheduler:
         if self.connector is not None:
             self.connector.forget(req.request_id)
 
+    def take_failed(self) -> dict[str, str]:
+        out, self.failed = self.failed, {}
+        return out
+
     def block_holders(self) -> list[Request]:
         """Every request holding blocks: live ones and finished ones still being sent."""
         return [*self.requests.values(), *self.held.values()]
@@ -109,8 +115,15 @@ class Scheduler:
                     self._release(req)
             for rid in self.connector.finished_loading():
                 req = self.requests.get(rid)
-                if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+                    continue
+                why = self.connector.load_error(rid)
+                if why is None:
                     req.status = RequestStatus.WAITING
+                else:
+                    self.waiting.remove(req)
+                    self._finish(req, RequestStatus.FINISHED_ABORTED)
+                    self.failed[rid] = why
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)

@@ -57,6 +57,10 @@ class EngineDeadError(RuntimeError):
     """The engine process is gone; no request on it can finish."""
 
 
+class KVLoadError(RuntimeError):
+    """The request's K/V could not be fetched from a prefill engine (--kv-load-failure-policy fail)."""
+
+
 class EngineBusyError(RuntimeError):
     """The engine did not answer in time and there is no snapshot of its state yet."""
 
@@ -326,7 +330,8 @@ class AsyncEngine:
         elif kind == ERROR:
             q = self._queues.get(msg["request_id"])
             if q is not None:
-                q.put_nowait(ValueError(msg["message"]))
+                error = KVLoadError if msg.get("kind") == "kv_load" else ValueError
+                q.put_nowait(error(msg["message"]))
         elif kind == STATS_RESULT:
             fut = self._stats_waiters.get(msg["query_id"])
             if fut is not None and not fut.done():

@@ -13,6 +13,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Future
+from pathlib import Path
 
 import torch
 
@@ -21,6 +22,7 @@ from kvserve.core.kv_events import KVEventPublisher, KVEventSink
 from kvserve.core.kv_manager import KVCacheManager
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.core.scheduler import Scheduler
+from kvserve.disagg.params import check_transfer_params, transfer_params
 from kvserve.distributed.executor import Executor, WorkerError
 from kvserve.distributed.parallel import check_parallel
 from kvserve.engine.output_processor import OutputProcessor
@@ -87,9 +89,13 @@ class EngineCore:
                     str(self.dtype).removeprefix("torch."), self.quantization, self.weight_bytes / 1e6, len(info))
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                  cache_config.prefix_cache)
+        # The KV connector (core/kv_connector.py), both halves: the KV tiers, or prefill/decode
+        # transfer. `tiers` is the same object when it is the tiers (clearing, saving at exit).
         self.tiers = self._tiers(config.tiers) if config.tiers.enabled else None
+        self.connector = self.tiers or (self._kv_transfer(config) if config.kv_transfer.enabled else None)
         self.kv_events = self._kv_events(config.kv_events) if config.kv_events.enabled else None
-        self.scheduler = Scheduler(self.scheduler_config, self.kv, self.tiers)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv, self.connector)
+        self.errors: dict[str, str] = {}  # requests that failed in the engine (not on input): id -> why
         self.processor = OutputProcessor(self.tokenizer)
         self.check_integrity = config.check_integrity
         self._ids = itertools.count()
@@ -143,6 +149,16 @@ class EngineCore:
         self.kv.attach_connector(tiers)
         atexit.register(self.close)  # queued tier writes and the disk tier's save happen at exit too
         return tiers
+
+    def _kv_transfer(self, config: EngineConfig):
+        from kvserve.disagg.connector import PDConnector
+
+        handshake = {"model": Path(self.model_path).name, "block_size": self.cache_config.block_size,
+                     "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
+                     "block_shape": list(self.executor.kv_block_shape), "fingerprint": self.model_fingerprint.hex()}
+        connector = PDConnector(config.kv_transfer, handshake, self.cache_config.block_size)
+        self.kv.attach_connector(connector)
+        return connector
 
     def _kv_events(self, cfg: KVEventsConfig) -> KVEventPublisher:
         """Publish the blocks of the prefix cache and of every tier for routers."""
@@ -206,6 +222,7 @@ class EngineCore:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")
+        check_transfer_params(transfer_params(params), self.config.kv_transfer, params.n)
         n_prompt = len(ids)
         if n_prompt >= self.max_model_len:
             raise ValueError(f"prompt is {n_prompt} tokens, which leaves no room to generate within "
@@ -253,18 +270,31 @@ class EngineCore:
 
     def _schedule(self) -> SchedulerOutput:
         so = self.scheduler.schedule()
-        if self.tiers is not None:
-            self.tiers.before_forward(so.kv_connector_meta, self.executor)
+        for rid, why in self.scheduler.take_failed().items():  # the connector could not load their KV
+            parent = self.processor.child_to_parent.get(rid, rid)
+            self.abort_request(parent)
+            self.errors[parent] = why
+        if self.connector is not None:
+            self.connector.before_forward(so.kv_connector_meta, self.executor)
             if not so.num_scheduled_tokens and (self.scheduler.num_loading or self.scheduler.held):
-                self.tiers.wait(0.01)  # only requests waiting on their connector: don't spin
+                self.connector.wait(0.01)  # only requests waiting on their connector: don't spin
         return so
 
+    def take_errors(self) -> dict[str, str]:
+        """Requests that failed since the last call (request id -> why); they produce no more outputs."""
+        out, self.errors = self.errors, {}
+        return out
+
     def _finish_step(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> list[RequestOutput]:
-        if self.tiers is not None:
-            self.tiers.after_forward(so.kv_connector_meta, self.executor)
+        if self.connector is not None:
+            self.connector.after_forward(so.kv_connector_meta, self.executor)
         updated = self.scheduler.update(so, ro.sampled)
         outputs, stopped = self.processor.process(updated, ro)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if self.connector is not None:
+            for out in outputs:
+                if out.finished:
+                    out.kv_transfer_params = self.connector.take_output_params(out.request_id)
         if self.check_integrity:
             self.kv.check_integrity(self.scheduler.block_holders())
         return outputs
@@ -289,7 +319,7 @@ class EngineCore:
             "prefix_cache_queries": self.kv.prefix_cache_queries,
             "prefix_cache_hits": self.kv.prefix_cache_hits,
             "num_preemptions": self.scheduler.num_preemptions,
-            **(self.tiers.stats() if self.tiers is not None else {}),
+            **(self.connector.stats() if self.connector is not None else {}),
         }
 
     def clear_kv_cache(self) -> dict[str, int]:
@@ -312,7 +342,10 @@ class EngineCore:
                 except WorkerError as e:  # a rank is gone, and the KV it held with it
                     logger.warning("KV tiers: blocks in memory not saved: %s", e)
             self.tiers.close()
-            self.tiers = None
+            self.tiers = self.connector = None
+        if self.connector is not None:
+            self.connector.close()
+            self.connector = None
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None

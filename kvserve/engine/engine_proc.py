@@ -118,6 +118,7 @@ class RequestDeltaWire(TypedDict):
     cached_tokens_by_tier: dict[str, int]
     prompt_logprobs: list[WireLogprobs | None] | None  # sent once, with the first token
     metrics: dict[str, float | None] | None
+    kv_transfer_params: dict[str, Any] | None  # on the finished delta (RequestOutput's)
 
 
 class OutputsMsg(TypedDict):
@@ -129,6 +130,7 @@ class ErrorMsg(TypedDict):
     type: Literal["error"]
     request_id: str
     message: str
+    kind: Literal["invalid", "kv_load"]  # refused on arrival (a ValueError) | its remote K/V failed
 
 
 class StatsResultMsg(TypedDict):
@@ -216,6 +218,7 @@ class RequestDelta:
     prompt_logprobs: list[PositionLogprobs | None] | None
     metrics: RequestMetrics | None
     cached_tokens_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @classmethod
     def from_wire(cls, d: RequestDeltaWire) -> RequestDelta:
@@ -225,7 +228,7 @@ class RequestDelta:
         metrics = RequestMetrics(**d["metrics"]) if d["metrics"] is not None else None
         return cls(d["request_id"], [CompletionDelta.from_wire(c) for c in d["completions"]],
                    d["finished"], d["num_prompt_tokens"], d["num_cached_tokens"], plp, metrics,
-                   d["cached_tokens_by_tier"])
+                   d["cached_tokens_by_tier"], d.get("kv_transfer_params"))
 
 
 # ---- child side: turning cumulative RequestOutputs into deltas -------------
@@ -283,7 +286,8 @@ class DeltaTracker:
                                 num_prompt_tokens=len(out.prompt_token_ids),
                                 num_cached_tokens=out.num_cached_tokens,
                                 cached_tokens_by_tier=out.num_cached_tokens_by_tier, prompt_logprobs=plp,
-                                metrics=dataclasses.asdict(m) if m is not None else None)
+                                metrics=dataclasses.asdict(m) if m is not None else None,
+                                kv_transfer_params=out.kv_transfer_params)
 
     def _completion(self, tr: _Tracked, co) -> CompletionDeltaWire | None:
         sent = tr.completions[co.index]
@@ -355,6 +359,9 @@ class EngineLoop:
                 self.flush = False
                 outs = self.engine.step()
                 self.pending.extend(d for d in map(self.tracker.delta, outs) if d is not None)
+                for rid, why in self.engine.take_errors().items():
+                    self.tracker.requests.pop(rid, None)
+                    self.out.send(encode(ErrorMsg(type=ERROR, request_id=rid, message=why, kind="kv_load")))
             if self.pending:
                 self.out.send(encode(OutputsMsg(type=OUTPUTS, deltas=self.pending)))
                 self.pending = []
@@ -407,7 +414,7 @@ class EngineLoop:
                                     arrival_time=msg.get("arrival_time"), priority=msg["priority"],
                                     cache_salt=msg["cache_salt"])
         except (ValueError, TypeError) as e:
-            self.out.send(encode(ErrorMsg(type=ERROR, request_id=rid, message=str(e))))
+            self.out.send(encode(ErrorMsg(type=ERROR, request_id=rid, message=str(e), kind="invalid")))
             return
         self.tracker.add(rid, params)
 

@@ -125,7 +125,9 @@ class LLM:
         try:
             done = False
             while not done:
-                for out in self.engine.step():
+                outs = self.engine.step()
+                self._raise_errors({rid})
+                for out in outs:
                     if out.request_id != rid:
                         continue
                     done = out.finished
@@ -205,6 +207,13 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
 
+    def _raise_errors(self, ids: set[str]) -> None:
+        """A request that failed in the engine (its remote K/V could not be loaded) ends the call."""
+        errors = self.engine.take_errors()
+        failed = next((rid for rid in errors if rid in ids), None)
+        if failed is not None:
+            raise RuntimeError(f"request {failed}: {errors[failed]}")
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         pending = set(ids)
@@ -212,7 +221,9 @@ class LLM:
         start, out_tokens = time.perf_counter(), 0
         try:
             while pending:
-                for out in self.engine.step():
+                outs = self.engine.step()
+                self._raise_errors(pending)
+                for out in outs:
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
                         results[out.request_id] = out

@@ -44,6 +44,7 @@ class _EngineCollector(Collector):
         for stat, name, kind, doc in _ENGINE_METRICS:
             yield kind(f"{PREFIX}{name}", doc, value=s[stat])
         yield from _tier_metrics(s)
+        yield from _transfer_metrics(s)
 
 
 _ENGINE_METRICS = (  # (EngineCore.stats() key, metric name, kind, help)
@@ -78,6 +79,25 @@ def _tier_metrics(s: dict[str, float | int]) -> Iterator[Metric]:
         yield fam
     yield CounterMetricFamily(f"{PREFIX}kv_tier_bytes_onloaded", "Bytes of KV loaded back into the KV cache.",
                               value=s["kv_tier_bytes_onloaded"])
+
+
+def _transfer_metrics(s: dict[str, float | int]) -> Iterator[Metric]:
+    """Prefill/decode KV transfer (--kv-role), from the PD connector's stats."""
+    if "kv_transfer_sent" not in s:
+        return
+    fam = CounterMetricFamily(f"{PREFIX}kv_transfer_requests", "Requests whose K/V were sent to, received from, "
+                              "or failed to come from another engine, or expired unfetched.", labels=["outcome"])
+    for outcome in ("sent", "received", "failed", "expired"):
+        if f"kv_transfer_{outcome}" in s:
+            fam.add_metric([outcome], float(s[f"kv_transfer_{outcome}"]))
+    yield fam
+    yield CounterMetricFamily(f"{PREFIX}kv_transfer_tokens_received", "Prompt tokens whose K/V came from a "
+                              "prefill engine.", value=s["kv_transfer_tokens_received"])
+    if "kv_transfer_bytes_sent" in s:
+        yield CounterMetricFamily(f"{PREFIX}kv_transfer_bytes_sent", "Bytes of K/V sent to decode engines.",
+                                  value=s["kv_transfer_bytes_sent"])
+        yield GaugeMetricFamily(f"{PREFIX}kv_transfer_pending", "Finished prompts whose K/V wait to be fetched.",
+                                value=s["kv_transfer_pending"])
 
 
 class ServerMetrics:

@@ -42,6 +42,9 @@ class _SamplingFields(_Strict):
     cache_salt: str | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = None
+    # Prefill/decode disaggregation (vLLM's field): {"do_remote_decode": true} to a prefill engine;
+    # to a decode engine, the object the prefill engine's response returned
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -137,6 +140,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's: where its K/V wait
 
 
 class TopLogprob(BaseModel):
@@ -173,6 +177,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's: where its K/V wait
 
 
 class ChatDelta(BaseModel):

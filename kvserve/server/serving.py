@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
+from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, KVLoadError
 from kvserve.engine.engine_proc import CompletionDelta, RequestDelta
 from kvserve.sampling_params import SamplingParams
 from kvserve.server import protocol as P
@@ -55,6 +55,8 @@ def engine_error(e: BaseException) -> APIError:
         return e
     if isinstance(e, ValueError):
         return APIError(400, str(e))
+    if isinstance(e, KVLoadError):
+        return APIError(502, str(e), "kv_transfer_error")
     if isinstance(e, EngineDeadError):
         return APIError(500, f"the engine is not running: {e}", "internal_server_error")
     return APIError(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error")
@@ -83,8 +85,11 @@ class Accum:
     cached_tokens: dict[int, int] = field(default_factory=dict)
     cached_by_tier: dict[int, dict[str, int]] = field(default_factory=dict)
     prompt_logprobs: dict[int, list] = field(default_factory=dict)
+    kv_transfer_params: dict[str, Any] | None = None
 
     def add(self, prompt_idx: int, d: RequestDelta) -> list[tuple[int, CompletionDelta]]:
+        if d.kv_transfer_params is not None:
+            self.kv_transfer_params = d.kv_transfer_params
         if d.num_prompt_tokens:  # the abort delta carries zeros
             self.prompt_tokens[prompt_idx] = d.num_prompt_tokens
             self.cached_tokens[prompt_idx] = d.num_cached_tokens
@@ -152,9 +157,10 @@ class Serving:
         if "max_tokens" in defaults and not given:
             room = self.info.max_model_len - longest_prompt
             max_tokens = min(defaults["max_tokens"], room) if room >= 1 else defaults["max_tokens"]
+        extra = {"kv_transfer_params": req.kv_transfer_params} if req.kv_transfer_params is not None else None
         try:
             return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs,
-                                  prompt_logprobs=prompt_logprobs)
+                                  prompt_logprobs=prompt_logprobs, extra_args=extra)
         except ValueError as e:
             name = str(e).split(" ", 1)[0]
             known = name in P.CompletionRequest.model_fields or name in P.ChatCompletionRequest.model_fields

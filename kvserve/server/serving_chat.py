@@ -48,8 +48,8 @@ class ChatServing(Serving):
                                 stop_reason=c.stop_reason,
                                 logprobs=self._logprobs(c.logprobs, k) if req.logprobs else None)
                    for i, c in sorted(acc.choices.items())]
-        return P.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
-                                        usage=acc.usage()).model_dump()
+        return P.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=acc.usage(),
+                                        kv_transfer_params=acc.kv_transfer_params).model_dump()
 
     def _logprobs(self, positions: list[dict], k: int) -> P.ChatLogprobs:
         content = []

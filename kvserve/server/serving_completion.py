@@ -27,6 +27,8 @@ class CompletionServing(Serving):
         max_tokens = 1 if score_only else req.max_tokens
         prompt_lps = req.logprobs if req.echo and req.logprobs is not None else None
         prompts, texts = self.completion_ids(req.prompt)
+        if req.kv_transfer_params is not None and len(prompts) > 1:
+            raise APIError(400, "kv_transfer_params takes a single prompt", param="kv_transfer_params")
         params = self.sampling_params(req, max_tokens, req.logprobs, prompt_lps, max(map(len, prompts)))
         for p in prompts:
             self.check_prompt(p, params, "prompt")
@@ -49,7 +51,8 @@ class CompletionServing(Serving):
             lps = echo.logprobs(idx, c.logprobs, 0, with_prompt=True) if req.logprobs is not None else None
             choices.append(P.CompletionChoice(index=idx, text=echo.prefix(idx) + c.text, logprobs=lps,
                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        return P.CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=acc.usage()).model_dump()
+        return P.CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=acc.usage(),
+                                    kv_transfer_params=acc.kv_transfer_params).model_dump()
 
     def _chunker(self, req: P.CompletionRequest, rid: str, echo: _Echo):
         offsets: dict[int, int] = {}

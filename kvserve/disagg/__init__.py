@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: KV transfer between engines (DESIGN.md, "KV connector, two halves")."""

@@ -1,0 +1,243 @@
+"""PDConnector: the KV connector of prefill/decode disaggregation (both halves).
+
+A request carries `kv_transfer_params` (SamplingParams.extra_args, the request field of the
+same name), in vLLM's shape:
+
+- `{"do_remote_decode": true}` on a prefill engine: compute the prompt (the router asks for
+  one token), then keep its full blocks for a decode engine. When the request finishes its
+  blocks stay held until the next step's worker half has copied them out to the KVSender;
+  the output's `kv_transfer_params` tell the decode engine where to fetch them:
+  `{"do_remote_prefill": true, "remote_host", "remote_port", "remote_request_id",
+  "remote_num_blocks", "remote_engine_id"}`.
+- those params on a decode engine: the request waits (WAITING_FOR_REMOTE_KV) while a
+  background thread fetches the blocks; then `lookup` offers the ones whose chain hash equals
+  this engine's own for the prompt (a different prompt, salt or model never matches), they are
+  written into the request's new blocks before its first forward, which computes only the
+  rest of the prompt (less than one block, at least its last token), and they become cached
+  blocks here like any other. If the fetch fails, the request prefills here
+  (`kv_load_failure_policy` recompute) or fails with the reason (fail).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvserve.config import KVTransferConfig
+from kvserve.core.kv_connector import EvictedBlock, KVConnector, KVConnectorWorker, TierHit
+from kvserve.core.prefix_cache import compute_block_hashes, max_cached_blocks
+from kvserve.core.sched_output import SchedulerOutput
+from kvserve.disagg.params import transfer_params
+from kvserve.disagg.transport import KVSender, KVTransferError, fetch
+from kvserve.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+TRANSFER_TIER = "kv_transfer"  # the origin of transferred tokens in cached_tokens_by_tier
+MAX_PARALLEL_FETCHES = 4
+
+
+@dataclass
+class _Send:
+    request_id: str
+    transfer_id: str
+    block_ids: list[int]
+
+
+@dataclass
+class PDStepMeta:
+    """One step's copies: finished prompts' blocks out to the sender, fetched blocks in."""
+
+    sends: list[_Send] = field(default_factory=list)
+    writes: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (device block, its K/V)
+
+
+@dataclass
+class _Loaded:
+    data: torch.Tensor  # [n, *block_shape]: the prompt's first n blocks
+    hashes: list[bytes]
+
+
+class PDConnector(KVConnector, KVConnectorWorker):
+    def __init__(self, cfg: KVTransferConfig, handshake: dict[str, Any], block_size: int) -> None:
+        self.cfg = cfg
+        self.handshake = handshake
+        self.block_size = block_size
+        self.sender = KVSender(cfg.host, cfg.port, handshake, cfg.lease_s) if cfg.produces else None
+        self._fetcher = ThreadPoolExecutor(MAX_PARALLEL_FETCHES, "kvserve-kv-fetch") if cfg.consumes else None
+        self._lock = threading.Lock()
+        # prefill side
+        self._to_send: list[_Send] = []  # finished requests whose blocks the next step copies out
+        self._sent: list[str] = []  # ... copied: their device blocks may be freed
+        self._out_params: dict[str, dict[str, Any]] = {}  # request id -> its output's kv_transfer_params
+        # decode side
+        self._done: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._done_event = threading.Event()
+        self._loaded: dict[str, _Loaded] = {}  # fetched, waiting to be allocated
+        self._errors: dict[str, str] = {}  # fetch failures that fail their request (policy fail)
+        self._fetching: set[str] = set()  # requests with a fetch queued or running
+        self._cancelled: set[str] = set()  # ... of those, the ones gone meanwhile
+        self._writes: list[tuple[int, torch.Tensor]] = []
+        self.stats_counts: dict[str, int] = {"kv_transfer_sent": 0, "kv_transfer_received": 0,
+                                             "kv_transfer_failed": 0, "kv_transfer_tokens_received": 0}
+
+    # ---- prefill side ---------------------------------------------------------------
+
+    def request_finished(self, request: Request) -> bool:
+        p = transfer_params(request.sampling_params)
+        if (self.sender is None or not p or not p.get("do_remote_decode")
+                or request.status == RequestStatus.FINISHED_ABORTED):
+            return False
+        # The blocks a decode engine can use: full ones before the prompt's last token.
+        n = min(max(0, (request.num_prompt_tokens - 1) // self.block_size), len(request.block_ids),
+                request.num_computed_tokens // self.block_size)
+        tid = self.sender.expect(compute_block_hashes(request, n, self.block_size)[:n]) if n else ""
+        self._out_params[request.request_id] = {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.cfg.engine_id,
+            "remote_host": self.sender.host, "remote_port": self.sender.port, "remote_request_id": tid,
+            "remote_num_blocks": n}
+        if not n:
+            return False  # a prompt shorter than a block: nothing worth sending
+        self._to_send.append(_Send(request.request_id, tid, list(request.block_ids[:n])))
+        return True
+
+    def take_output_params(self, request_id: str) -> dict[str, Any] | None:
+        return self._out_params.pop(request_id, None)
+
+    def finished_sending(self) -> list[str]:
+        out, self._sent = self._sent, []
+        return out
+
+    # ---- decode side: the background fetch -----------------------------------------
+
+    def start_load(self, request: Request, num_device_blocks: int) -> bool:
+        p = transfer_params(request.sampling_params)
+        if self._fetcher is None or not p or not p.get("do_remote_prefill") or request.leader_id is not None:
+            return False  # n > 1: the other samples fork from the leader's blocks
+        usable = min(p["remote_num_blocks"], max_cached_blocks(request, self.block_size))
+        if usable <= num_device_blocks:
+            return False  # already cached here (the prefill engine's copy expires with its lease)
+        with self._lock:
+            self._fetching.add(request.request_id)
+        self._fetcher.submit(self._fetch, request, p)
+        return True
+
+    def _fetch(self, request: Request, p: dict[str, Any]) -> None:
+        rid = request.request_id
+        try:
+            hashes, data = fetch(p["remote_host"], p["remote_port"], p["remote_request_id"], self.handshake,
+                                 self.cfg.fetch_timeout_s, self.cfg.transport)
+            mine = compute_block_hashes(request, max_cached_blocks(request, self.block_size), self.block_size)
+            n = 0
+            while n < min(len(hashes), len(mine)) and hashes[n] == mine[n]:
+                n += 1
+            if n < len(hashes):
+                logger.warning("request %s: %d of %d fetched blocks are not this prompt's; using %d",
+                               rid, len(hashes) - n, len(hashes), n)
+            with self._lock:
+                if rid not in self._cancelled:
+                    self._loaded[rid] = _Loaded(data[:n], mine[:n])
+            self.stats_counts["kv_transfer_received"] += 1
+            self.stats_counts["kv_transfer_tokens_received"] += n * self.block_size
+        except Exception as e:  # noqa: BLE001 - any failure means: no remote K/V for this request
+            self.stats_counts["kv_transfer_failed"] += 1
+            reason = str(e) if isinstance(e, KVTransferError) else f"{type(e).__name__}: {e}"
+            if self.cfg.policy == "fail":
+                with self._lock:
+                    self._errors[rid] = f"remote KV load failed: {reason}"
+            else:
+                logger.warning("request %s: remote KV load failed (%s); prefilling here", rid, reason)
+        finally:
+            with self._lock:
+                self._fetching.discard(rid)
+                if rid in self._cancelled:
+                    self._cancelled.discard(rid)
+                    self._errors.pop(rid, None)
+                    return
+            self._done.put(rid)
+            self._done_event.set()
+
+    def finished_loading(self) -> list[str]:
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                self._done_event.clear()
+                return out
+
+    def load_error(self, request_id: str) -> str | None:
+        with self._lock:
+            return self._errors.pop(request_id, None)
+
+    def wait(self, timeout: float) -> None:
+        self._done_event.wait(timeout)
+
+    # ---- decode side: the step path -------------------------------------------------------
+
+    def on_evict(self, block: EvictedBlock) -> None:
+        pass  # evicted blocks are simply gone; tiers are another connector
+
+    def lookup(self, request: Request, start_block: int, max_blocks: int) -> list[TierHit]:
+        with self._lock:
+            loaded = self._loaded.get(request.request_id)
+        if loaded is None:
+            return []
+        end = min(len(loaded.hashes), max_blocks)
+        return [TierHit(loaded.hashes[i], TRANSFER_TIER) for i in range(start_block, end)]
+
+    def count_lookup(self, request: Request) -> None:
+        pass
+
+    def on_allocated(self, request: Request, block_ids: list[int], hits: list[TierHit]) -> None:
+        with self._lock:
+            loaded = self._loaded.pop(request.request_id)
+        index = {h: i for i, h in enumerate(loaded.hashes)}
+        self._writes.extend((b, loaded.data[index[h.block_hash]]) for b, h in zip(block_ids, hits))
+
+    def build_meta(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> PDStepMeta:
+        meta = PDStepMeta(self._to_send, self._writes)
+        self._to_send, self._writes = [], []
+        return meta
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._loaded.pop(request_id, None)
+            self._errors.pop(request_id, None)
+            if request_id in self._fetching:
+                self._cancelled.add(request_id)  # the fetch drops what it brings
+
+    # ---- the worker half ---------------------------------------------------------------
+
+    def before_forward(self, meta: PDStepMeta, runner: Any) -> None:
+        for s in meta.sends:  # held blocks: nothing has reused them
+            self.sender.put(s.transfer_id, runner.read_kv_blocks(s.block_ids))
+            self._sent.append(s.request_id)
+            self.stats_counts["kv_transfer_sent"] += 1
+        if meta.writes:
+            runner.write_kv_blocks([b for b, _ in meta.writes], torch.stack([d for _, d in meta.writes]))
+
+    def after_forward(self, meta: PDStepMeta, runner: Any) -> None:
+        pass
+
+    # ---- the engine ----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        out = dict(self.stats_counts)
+        if self.sender is not None:
+            out.update(kv_transfer_pending=self.sender.num_pending, kv_transfer_bytes_sent=self.sender.bytes_sent,
+                       kv_transfer_expired=self.sender.transfers_expired)
+        return out
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=False, cancel_futures=True)
