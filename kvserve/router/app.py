@@ -5,8 +5,9 @@ and /metrics about the router itself, and the live /dashboard of the router and 
 
     kvserve router --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 --policy session
 
-(start-up and --launch: router/launch.py). Errors the router makes itself leave in the
-OpenAI shape a replica uses; errors a replica makes pass through unchanged.
+(start-up and --launch: router/launch.py; prefill/decode replicas: pd.py, pd_proxy.py).
+Errors the router makes itself leave in the OpenAI shape a replica uses; errors a replica
+makes pass through unchanged.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvserve
+from kvserve.router.pd import PDConfig
+from kvserve.router.pd_proxy import PDProxy
 from kvserve.router.policies import make_policy
 from kvserve.router.policy import Policy
 from kvserve.router.proxy import FORWARD_HEADERS, REPLICA_HEADER, Proxy, RouterMetrics, describe, error_body
@@ -43,6 +46,7 @@ class Router:
     proxy: Proxy
     metrics: RouterMetrics
     client: httpx.AsyncClient
+    pd: PDConfig | None = None  # prefill/decode disaggregation (replicas with roles), or None
 
     async def close(self) -> None:
         await self.replicas.close()
@@ -51,16 +55,19 @@ class Router:
 
 async def start_router(urls: list[str], policy: str = "kv_aware", health_interval: float = DEFAULT_HEALTH_INTERVAL,
                        tokenizer: str | None = None, api_key: str | None = None,
-                       pids: dict[str, int] | None = None, policy_options: dict[str, Any] | None = None) -> Router:
+                       pids: dict[str, int] | None = None, policy_options: dict[str, Any] | None = None,
+                       roles: dict[str, str] | None = None, pd: PDConfig | None = None) -> Router:
     """Probe the replicas (ValueError if they cannot be routed over together), load the
-    tokenizer the policy needs, start the health checks."""
+    tokenizer the policy needs, start the health checks. With `pd`, `roles` says which URLs
+    are prefill and which decode replicas (pd_roles)."""
     pol = make_policy(policy, **(policy_options or {}))
     client = httpx.AsyncClient(timeout=CLIENT_TIMEOUT, limits=httpx.Limits(max_connections=None,
                                                                           max_keepalive_connections=64))
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    replicas = ReplicaSet(urls, pol, client, health_interval, headers, pids)
+    replicas = ReplicaSet(urls, pol, client, health_interval, headers, pids, roles)
     metrics = RouterMetrics()
-    router = Router(replicas, pol, Proxy(replicas, pol, client, metrics), metrics, client)
+    proxy = PDProxy(replicas, pol, client, metrics, pd) if pd is not None else Proxy(replicas, pol, client, metrics)
+    router = Router(replicas, pol, proxy, metrics, client, pd)
     try:
         await replicas.start()
         router.proxy.tokenizer = await _load_tokenizer(tokenizer, replicas, pol)
@@ -156,14 +163,16 @@ def build_app(router: Router) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         n = len(replicas.healthy())
-        if n == 0:
-            return _error(503, f"no healthy replica (of {len(replicas.replicas)})", "service_unavailable")
+        if not proxy.candidates():  # P/D: prefill replicas alone cannot answer
+            what = "decode replica" if router.pd else "replica"
+            return _error(503, f"no healthy {what} (of {len(replicas.replicas)})", "service_unavailable")
         return JSONResponse({"status": "ok", "healthy_replicas": n, "replicas": len(replicas.replicas)})
 
     @app.get("/replicas")
     async def replica_list() -> dict:
-        """Each replica's health, load and KV-event state (kvserve extension)."""
-        return {"policy": router.policy.name, "replicas": replicas.describe()}
+        """Each replica's role, health, load and KV-event state (kvserve extension)."""
+        return {"policy": router.policy.name, "pd_decision": router.pd.decision if router.pd else None,
+                "replicas": replicas.describe()}
 
     @app.get("/metrics")
     async def metrics() -> Response:

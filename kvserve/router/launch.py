@@ -2,10 +2,15 @@
 
     kvserve router --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 [--policy NAME]
     kvserve router --launch 2 [--policy NAME] -- [MODEL] [engine flags for `kvserve serve`]
+    kvserve router --prefill http://127.0.0.1:8001 --decode http://127.0.0.1:8002 [--pd-decision MODE]
+    kvserve router --launch-pd 1 2 [--pd-decision MODE] -- [MODEL] [engine flags]
 
 With --launch N the router starts N replicas itself, each on a free port with its own KV
 events endpoint and its own share of this process's CPU cores, waits until they answer
-/health, and stops them (SIGTERM, then SIGKILL) when it exits for any reason.
+/health, and stops them (SIGTERM, then SIGKILL) when it exits for any reason. --launch-pd P D
+does the same for P prefill and D decode engines (`--kv-role prefill` with a K/V port of its
+own, `--kv-role decode`); with prefill and decode replicas each request is decoded on a decode
+replica and its prompt computed there or on a prefill replica (router/pd.py).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -29,13 +35,23 @@ from typing import Any
 
 import uvicorn
 
+from kvserve.router.pd import (
+    DEFAULT_LOCAL_BUDGET_MS,
+    DEFAULT_MAX_LOCAL_PREFILL_LENGTH,
+    DEFAULT_PREFILL_TIMEOUT,
+    PD_DECISIONS,
+    PDConfig,
+)
 from kvserve.router.policies import load_policies
 from kvserve.router.replicas import DEFAULT_HEALTH_INTERVAL
 
 DEFAULT_LAUNCH_TIMEOUT = 300.0
 STOP_TIMEOUT = 15.0
-# Flags the router sets on the replicas it launches (each its own port and events endpoint).
-OWNED_FLAGS = ("--host", "--port", "--kv-events-endpoint", "--kv-events-replay-endpoint", "--api-key")
+# Flags the router sets on the replicas it launches (each its own port and events endpoint;
+# --launch-pd engines their role and K/V transfer).
+OWNED_FLAGS = ("--host", "--port", "--kv-events-endpoint", "--kv-events-replay-endpoint", "--api-key",
+               "--kv-role", "--kv-transfer-config")
+PD_CONNECTOR = "PDConnector"  # the engines' KV connector for prefill/decode transfer (disagg/)
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -46,8 +62,29 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launch", type=int, default=0, metavar="N",
                    help="start N `kvserve serve` replicas, splitting this machine's cores between them; "
                         "their engine flags go after `--`")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="a running `kvserve serve --kv-role prefill` (or both) engine (repeatable; with --decode)")
+    p.add_argument("--decode", action="append", default=[], metavar="URL",
+                   help="a running `kvserve serve --kv-role decode` (or both) engine (repeatable; with --prefill); "
+                        "a URL given to both serves both")
+    p.add_argument("--launch-pd", type=int, nargs=2, default=None, metavar=("P", "D"),
+                   help="start P prefill and D decode `kvserve serve` engines, as --launch does")
     p.add_argument("--policy", default="kv_aware", choices=sorted(load_policies()),
-                   help="how a replica is chosen per request (default kv_aware)")
+                   help="how a replica (with --prefill/--decode: a decode replica) is chosen per request "
+                        "(default kv_aware)")
+    p.add_argument("--pd-decision", default="conditional", choices=PD_DECISIONS,
+                   help="where a prompt is prefilled, on its decode replica (local) or a prefill replica (remote): "
+                        "conditional (a cost model, the default), always (remote), never (local), threshold "
+                        "(local up to --max-local-prefill-length uncached tokens)")
+    p.add_argument("--max-local-prefill-length", type=int, default=DEFAULT_MAX_LOCAL_PREFILL_LENGTH, metavar="N",
+                   help="--pd-decision threshold: prefill on the decode replica when at most N prompt tokens "
+                        f"are not cached there (default {DEFAULT_MAX_LOCAL_PREFILL_LENGTH})")
+    p.add_argument("--pd-local-budget-ms", type=float, default=DEFAULT_LOCAL_BUDGET_MS, metavar="MS",
+                   help="--pd-decision conditional: prefill on the decode replica when that takes at most MS "
+                        f"milliseconds, a negligible stall of its streams (default {DEFAULT_LOCAL_BUDGET_MS:g})")
+    p.add_argument("--pd-prefill-timeout", type=float, default=DEFAULT_PREFILL_TIMEOUT, metavar="SECONDS",
+                   help="a prefill replica's time to answer; then the decode replica prefills the prompt "
+                        f"(default {DEFAULT_PREFILL_TIMEOUT:g})")
     p.add_argument("--health-interval", type=float, default=DEFAULT_HEALTH_INTERVAL, metavar="SECONDS",
                    help=f"seconds between replica health checks (default {DEFAULT_HEALTH_INTERVAL:g})")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
@@ -58,7 +95,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launch-timeout", type=float, default=DEFAULT_LAUNCH_TIMEOUT, metavar="SECONDS",
                    help=f"how long --launch waits for a replica to answer /health (default {DEFAULT_LAUNCH_TIMEOUT:g})")
     p.add_argument("engine_args", nargs=argparse.REMAINDER, metavar="-- ENGINE_FLAGS",
-                   help="flags for the `kvserve serve` replicas of --launch")
+                   help="flags for the `kvserve serve` replicas of --launch or --launch-pd")
 
 
 def _check_args(args: argparse.Namespace) -> list[str]:
@@ -69,15 +106,29 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     extra = extra[1:]
     if args.launch < 0:
         raise ValueError(f"--launch must be >= 0, got {args.launch}")
-    if extra and not args.launch:
-        raise ValueError("engine flags after `--` are for --launch replicas; without --launch, give them "
-                         "to each `kvserve serve`")
-    if not args.launch and not args.replica:
-        raise ValueError("give --replica URL (repeatable) or --launch N")
+    if args.launch_pd is not None and min(args.launch_pd) < 1:
+        raise ValueError("--launch-pd P D starts P >= 1 prefill and D >= 1 decode engines, got "
+                         f"{args.launch_pd[0]} {args.launch_pd[1]}")
+    if bool(args.prefill) != bool(args.decode):
+        given, missing = ("--prefill", "--decode") if args.prefill else ("--decode", "--prefill")
+        raise ValueError(f"{given} without {missing}: a prefill/decode router needs both, prefill engines "
+                         "(--prefill URL) and decode engines (--decode URL), or --launch-pd P D")
+    if is_pd(args) and (args.replica or args.launch):
+        raise ValueError("--prefill/--decode/--launch-pd cannot be mixed with --replica or --launch: plain "
+                         "replicas refuse kv_transfer_params; start every engine with --kv-role prefill, decode "
+                         "or both and give it as --prefill URL or --decode URL")
+    launching = args.launch or args.launch_pd
+    if extra and not launching:
+        raise ValueError("engine flags after `--` are for --launch or --launch-pd replicas; without them, give "
+                         "them to each `kvserve serve`")
+    if not launching and not args.replica and not args.prefill:
+        raise ValueError("give --replica URL (repeatable) or --launch N, or for prefill/decode disaggregation "
+                         "--prefill URL --decode URL or --launch-pd P D")
     for flag in OWNED_FLAGS:
         if any(a == flag or a.startswith(flag + "=") for a in extra):
-            raise ValueError(f"{flag} after `--`: the router sets it on each replica it launches"
-                             + ("; use the router's --api-key" if flag == "--api-key" else ""))
+            hint = ("; use the router's --api-key" if flag == "--api-key" else
+                    "; --launch-pd P D starts prefill and decode engines" if flag.startswith("--kv-") else "")
+            raise ValueError(f"{flag} after `--`: the router sets it on each replica it launches{hint}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.health_interval <= 0:
@@ -85,6 +136,29 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     if args.launch_timeout <= 0:
         raise ValueError(f"--launch-timeout must be > 0 seconds, got {args.launch_timeout}")
     return extra
+
+
+def is_pd(args: argparse.Namespace) -> bool:
+    """Prefill/decode replicas rather than plain ones."""
+    return bool(args.prefill or args.decode or args.launch_pd)
+
+
+def pd_config(args: argparse.Namespace) -> PDConfig | None:
+    """The P/D settings of the flags (ValueError naming a bad one); None for plain replicas."""
+    if not is_pd(args):
+        return None
+    return PDConfig(args.pd_decision, args.max_local_prefill_length, args.pd_local_budget_ms / 1000,
+                    args.pd_prefill_timeout)
+
+
+def pd_roles(prefill: list[str], decode: list[str]) -> dict[str, str]:
+    """Each replica URL's role; one given as both --prefill and --decode (an engine started with
+    --kv-role both) serves both."""
+    roles = {u.rstrip("/"): "prefill" for u in prefill}
+    for u in decode:
+        u = u.rstrip("/")
+        roles[u] = "both" if roles.get(u) == "prefill" else "decode"
+    return roles
 
 
 # ---- launching replicas -------------------------------------------------------------------
@@ -95,6 +169,7 @@ class Launched:
     proc: subprocess.Popen
     cores: list[int]
     log: Path
+    role: str | None = None  # "prefill" or "decode" for --launch-pd engines
 
     def log_tail(self, lines: int = 30) -> str:
         with contextlib.suppress(OSError):
@@ -125,27 +200,66 @@ def _child_setup(cores: list[int]) -> Any:
     return setup
 
 
+def kv_role_flags(role: str, kv_port: int | None = None) -> list[str]:
+    """The flags that make an engine a prefill engine (a K/V producer serving its K/V on
+    `kv_port`) or a decode engine (a K/V consumer, pulling from the producers' ports)."""
+    transfer: dict[str, Any] = {"kv_connector": PD_CONNECTOR, "kv_role": "kv_consumer"}
+    if role == "prefill":
+        transfer = {"kv_connector": PD_CONNECTOR, "kv_role": "kv_producer", "kv_ip": "127.0.0.1", "kv_port": kv_port}
+    return ["--kv-role", role, "--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+
+
+def replica_command(engine_args: list[str], ports: list[int], role: str | None = None,
+                    api_key: str | None = None) -> list[str]:
+    """A launched replica's `kvserve serve` command: the engine flags, then those the router owns.
+    `ports`: HTTP, KV events, their replay and, for a prefill engine, its K/V transfer."""
+    http, events, replay = ports[:3]
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", *engine_args, "--host", "127.0.0.1",
+           "--port", str(http), "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
+           "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}"]
+    if role is not None:
+        cmd += kv_role_flags(role, ports[3] if role == "prefill" else None)
+    if api_key:
+        cmd += ["--api-key", api_key]
+    return cmd
+
+
+def launch_commands(roles: list[str | None], engine_args: list[str],
+                    api_key: str | None = None) -> list[tuple[str, list[str]]]:
+    """(URL, command) of each replica to launch, one per role (None: a plain replica), on free ports."""
+    counts = [4 if role == "prefill" else 3 for role in roles]
+    ports = iter(free_ports(sum(counts)))
+    out = []
+    for role, k in zip(roles, counts):
+        mine = [next(ports) for _ in range(k)]
+        out.append((f"http://127.0.0.1:{mine[0]}", replica_command(engine_args, mine, role, api_key)))
+    return out
+
+
+def launch_roles(args: argparse.Namespace) -> list[str | None]:
+    """The role of each replica the flags launch: --launch N plain ones, --launch-pd P D P prefill
+    then D decode engines."""
+    if args.launch_pd is not None:
+        prefill, decode = args.launch_pd
+        return ["prefill"] * prefill + ["decode"] * decode
+    return [None] * args.launch
+
+
 class ReplicaLauncher:
-    def __init__(self, n: int, engine_args: list[str], api_key: str | None = None) -> None:
-        self.n, self.engine_args, self.api_key = n, engine_args, api_key
+    def __init__(self, roles: list[str | None], engine_args: list[str], api_key: str | None = None) -> None:
+        self.roles, self.engine_args, self.api_key = roles, engine_args, api_key
         self.log_dir = Path(tempfile.mkdtemp(prefix="kvserve-router-"))
         self.replicas: list[Launched] = []
 
     def start(self) -> list[Launched]:
-        ports = free_ports(3 * self.n)
-        for i, cores in enumerate(split_cores(self.n)):
-            http, ev, replay = ports[3 * i:3 * i + 3]
-            cmd = [sys.executable, "-m", "kvserve.cli", "serve", *self.engine_args, "--host", "127.0.0.1",
-                   "--port", str(http), "--kv-events-endpoint", f"tcp://127.0.0.1:{ev}",
-                   "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}"]
-            if self.api_key:
-                cmd += ["--api-key", self.api_key]
+        commands = launch_commands(self.roles, self.engine_args, self.api_key)
+        for i, ((url, cmd), cores, role) in enumerate(zip(commands, split_cores(len(self.roles)), self.roles)):
             env = dict(os.environ, OMP_NUM_THREADS=str(len(cores)), PYTHONUNBUFFERED="1")
-            log = self.log_dir / f"replica-{i}.log"
+            log = self.log_dir / f"{role or 'replica'}-{i}.log"
             with open(log, "wb") as f:
                 proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         env=env, preexec_fn=_child_setup(cores))
-            self.replicas.append(Launched(f"http://127.0.0.1:{http}", proc, cores, log))
+            self.replicas.append(Launched(url, proc, cores, log, role))
         return self.replicas
 
     def wait_ready(self, timeout: float) -> None:
@@ -189,12 +303,16 @@ def stop_processes(procs: list[subprocess.Popen], timeout: float = STOP_TIMEOUT)
 
 # ---- the command ----------------------------------------------------------------------------
 
-async def _serve(args: argparse.Namespace, urls: list[str], launched: list[Launched]) -> None:
+async def _serve(args: argparse.Namespace, launched: list[Launched], pd: PDConfig | None) -> None:
     from kvserve.router.app import build_app, start_router
 
     by_url = {r.url: r for r in launched}
+    mine = {role: [r.url for r in launched if r.role == role] for role in ("prefill", "decode")}
+    prefill, decode = [*args.prefill, *mine["prefill"]], [*args.decode, *mine["decode"]]
+    urls = [*args.replica, *(r.url for r in launched if r.role is None), *prefill, *decode]
     router = await start_router(urls, args.policy, args.health_interval, args.tokenizer, args.api_key,
-                                pids={r.url: r.proc.pid for r in launched})
+                                pids={r.url: r.proc.pid for r in launched},
+                                roles=pd_roles(prefill, decode) if pd else None, pd=pd)
     try:
         app = build_app(router)
         for r in router.replicas.replicas:
@@ -202,8 +320,10 @@ async def _serve(args: argparse.Namespace, urls: list[str], launched: list[Launc
             where = f"pid {own.proc.pid}, cores {','.join(map(str, own.cores))}, log {own.log}" if own else "external"
             events = "kv events on" if r.view.kv_events is not None else "kv events off"
             state = "healthy" if r.view.healthy else f"UNHEALTHY ({r.excluded or r.last_error})"
-            print(f"kvserve router: replica {r.url} ({where}; {events}; {state})", flush=True)
-        print(f"kvserve router: policy {args.policy}, serving at http://{args.host}:{args.port}/v1", flush=True)
+            what = f"{'prefill+decode' if r.role == 'both' else r.role} replica" if pd else "replica"
+            print(f"kvserve router: {what} {r.url} ({where}; {events}; {state})", flush=True)
+        how = f"policy {args.policy}" + (f", P/D decision {pd.decision}" if pd else "")
+        print(f"kvserve router: {how}, serving at http://{args.host}:{args.port}/v1", flush=True)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                 timeout_graceful_shutdown=5)
         await uvicorn.Server(config).serve()
@@ -217,18 +337,22 @@ def _raise_exit(signum: int, _frame: Any) -> None:
 
 def cmd_router(args: argparse.Namespace) -> int:
     engine_args = _check_args(args)  # ValueError -> exit code 2 in cli.main
+    pd = pd_config(args)
     # uvicorn re-raises a captured SIGTERM after its graceful stop; as an exception it lets
     # the `finally` below stop the replicas this router launched.
     signal.signal(signal.SIGTERM, _raise_exit)
-    launcher = ReplicaLauncher(args.launch, engine_args, args.api_key) if args.launch else None
+    roles = launch_roles(args)
+    launcher = ReplicaLauncher(roles, engine_args, args.api_key) if roles else None
     code: int | None = None  # stays None when an exception (a start-up error) leaves this function
     try:
         launched: list[Launched] = []
         if launcher is not None:
             launched = launcher.start()
-            print(f"kvserve router: starting {args.launch} replicas (logs in {launcher.log_dir})", flush=True)
+            what = (f"{roles.count('prefill')} prefill and {roles.count('decode')} decode engines" if pd
+                    else f"{len(roles)} replicas")
+            print(f"kvserve router: starting {what} (logs in {launcher.log_dir})", flush=True)
             launcher.wait_ready(args.launch_timeout)
-        asyncio.run(_serve(args, [*args.replica, *(r.url for r in launched)], launched))
+        asyncio.run(_serve(args, launched, pd))
         code = 0
     except KeyboardInterrupt:
         code = 0

@@ -203,23 +203,22 @@ class Proxy:
         body = body if isinstance(body, dict) else {}  # still forwarded: the replica says what is wrong
         if self.tokenizer is not None:  # tokenizing a long prompt would stall every other stream
             req = await asyncio.to_thread(build_route_request, kind, body, headers, self.tokenizer,
-                                          self.policy.needs_tokens)
+                                          self.needs_tokens)
         else:
-            req = build_route_request(kind, body, headers, None, False)
+            req = build_route_request(kind, body, headers, None, self.needs_tokens)
         fwd = {k: v for k in FORWARD_HEADERS if (v := headers.get(k)) is not None}
         stream = body.get("stream") is True
         tried: set[str] = set()
         failures: list[str] = []
-        while candidates := [r for r in self.replicas.healthy() if r.url not in tried]:
+        while candidates := [r for r in self.candidates() if r.url not in tried]:
             decision = self.policy.choose(req, [r.view for r in candidates])
             replica = self.replicas.by_url(decision.replica.url)
             tried.add(replica.url)
             self.metrics.decisions.labels(self.policy.name, decision.reason).inc()
-            # what the replica has left to prefill: the prompt less what the policy expects it holds
-            lease = Lease(replica, max(0, req.num_prompt_tokens - decision.cached_tokens))
+            content, lease = await self.plan(req, decision, replica, raw, path, fwd)
             try:
                 send = self._stream if stream else self._once
-                return await send(replica, f"{replica.url}{path}", raw, fwd, lease, req, decision)
+                return await send(replica, f"{replica.url}{path}", content, fwd, lease, req, decision)
             except _Retry as e:
                 lease.release()
                 failures.append(f"{replica.url}: {e}")
@@ -232,6 +231,22 @@ class Proxy:
         why = "; ".join(failures) if failures else "no replica is healthy"
         return JSONResponse(error_body(503, f"no replica could serve the request: {why}", "service_unavailable"),
                             status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether RouteRequest.token_ids is filled in (when the prompt can be tokenized)."""
+        return self.policy.needs_tokens
+
+    def candidates(self) -> list[Replica]:
+        """The replicas the policy chooses from."""
+        return self.replicas.healthy()
+
+    async def plan(self, req: RouteRequest, decision: Decision, replica: Replica, raw: bytes, path: str,
+                   fwd: dict[str, str]) -> tuple[bytes, Lease]:
+        """The body to send the chosen replica, and the request's lease on it (released by the
+        caller). Here the client's body as it came, and what the replica has left to prefill:
+        the prompt less what the policy expects it holds."""
+        return raw, Lease(replica, max(0, req.num_prompt_tokens - decision.cached_tokens))
 
     def _started(self, replica: Replica, lease: Lease, streaming: bool, status: int, req: RouteRequest,
                  decision: Decision) -> None:

@@ -35,6 +35,9 @@ _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
 class Replica:
     view: ReplicaView
     pid: int | None = None  # set when the router launched it
+    # "prefill" or "decode" (--prefill / --decode: an engine with that --kv-role), or "both": a
+    # plain replica, or a URL given as both (an engine with --kv-role both)
+    role: str = "both"
     kv_info: dict[str, Any] = field(default_factory=dict)  # its /kv_events answer
     model_path: str | None = None
     excluded: str | None = None  # why a replica that answers is kept out (its settings differ)
@@ -90,12 +93,13 @@ class ReplicaSet:
 
     def __init__(self, urls: list[str], policy: Policy, client: httpx.AsyncClient,
                  health_interval: float = DEFAULT_HEALTH_INTERVAL, headers: dict[str, str] | None = None,
-                 pids: dict[str, int] | None = None) -> None:
+                 pids: dict[str, int] | None = None, roles: dict[str, str] | None = None) -> None:
         if not urls:
             raise ValueError("--replica: give at least one replica URL (or --launch N)")
         if health_interval <= 0:
             raise ValueError(f"--health-interval must be > 0 seconds, got {health_interval}")
-        self.replicas = [Replica(ReplicaView(u.rstrip("/"), healthy=False), (pids or {}).get(u))
+        self.replicas = [Replica(ReplicaView(u.rstrip("/"), healthy=False), (pids or {}).get(u),
+                                 (roles or {}).get(u.rstrip("/"), "both"))
                          for u in dict.fromkeys(urls)]
         self.policy, self.client = policy, client
         self.health_interval = health_interval
@@ -131,8 +135,9 @@ class ReplicaSet:
 
     # ---- queries ----------------------------------------------------------------
 
-    def healthy(self) -> list[Replica]:
-        return [r for r in self.replicas if r.view.healthy]
+    def healthy(self, role: str | None = None) -> list[Replica]:
+        """The healthy replicas; with a role, those that serve it ("both" serves either)."""
+        return [r for r in self.replicas if r.view.healthy and (role is None or r.role in (role, "both"))]
 
     def by_url(self, url: str) -> Replica:
         return next(r for r in self.replicas if r.url == url)
@@ -145,7 +150,7 @@ class ReplicaSet:
         for r in self.replicas:
             sub = r.view.kv_events
             out.append({
-                "url": r.url, "role": "both", "healthy": r.view.healthy, "in_flight": r.view.in_flight,
+                "url": r.url, "role": r.role, "healthy": r.view.healthy, "in_flight": r.view.in_flight,
                 "pending_prefill_tokens": r.view.pending_prefill_tokens, "decode_streams": r.view.decode_streams,
                 "load": r.view.load, "requests_routed": r.routed, "pid": r.pid, "block_size": r.view.block_size,
                 "kv_events": {"enabled": sub is not None, "synced": sub is not None and sub.synced.is_set(),
