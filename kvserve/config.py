@@ -460,9 +460,6 @@ class EngineConfig:
             raise ValueError(f"device must be a device name such as 'cpu' or 'cuda', got {self.device!r}")
         _check_bool("check_integrity", self.check_integrity)
         resolve_attention_backend(self.model.attention_backend, self.device)  # refuses a pair that cannot run
-        if self.kv_transfer.enabled and self.tiers.enabled:
-            raise ValueError("kv_role (prefill/decode transfer) cannot be combined with the KV tiers "
-                             "(kv_offload_cpu, kv_offload_disk, kv_remote) yet: an engine has one KV connector")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

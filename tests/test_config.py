@@ -92,8 +92,7 @@ def test_each_flag_round_trips(name):
 
 
 def test_all_flags_together_round_trip_and_pickle():
-    # four ranks: tp 2 x pp 2; no kv_role: an engine has either KV tiers or prefill/decode transfer
-    kwargs = {k: v for k, v in EXAMPLES.items() if k != "kv_role"} | {"cpu_threads_bind": "0-1|2-3|4,6|5"}
+    kwargs = dict(EXAMPLES, cpu_threads_bind="0-1|2-3|4,6|5")  # four ranks: tp 2 x pp 2
     from_kwargs, from_cli = both_ways(kwargs)
     assert from_cli == from_kwargs
     config = EngineConfig.from_kwargs(**kwargs)

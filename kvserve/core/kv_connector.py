@@ -139,3 +139,126 @@ class KVConnectorWorker(ABC):
     @abstractmethod
     def after_forward(self, meta: Any, runner: Any) -> None:
         """After the step's forward: its K/V are in the blocks."""
+
+
+class MultiConnector(KVConnector, KVConnectorWorker):
+    """Several connectors as one (vLLM's MultiConnector), e.g. the KV tiers and prefill/decode
+    transfer on one engine. Each hears every eviction and every request. A lookup asks them in
+    order, each from where the previous one's hits end, and the allocated blocks go back to
+    the connector whose hits they take. A request waits while any of them loads for it and
+    stays held while any of them sends it. The worker half runs them in order, so the tiers
+    (first) read evicted blocks out before anything is written into the step's new blocks."""
+
+    def __init__(self, connectors: list[Any]) -> None:
+        self.connectors = connectors
+        self._hits: dict[str, list[tuple[Any, list[TierHit]]]] = {}  # request -> its last lookup, by connector
+        self._loading: dict[str, set[int]] = {}  # request -> the connectors still loading for it
+        self._sending: dict[str, set[int]] = {}  # finished request -> the connectors still sending it
+        self._failed: dict[str, str] = {}
+
+    def on_evict(self, block: EvictedBlock) -> None:
+        for c in self.connectors:
+            c.on_evict(block)
+
+    def lookup(self, request: Request, start_block: int, max_blocks: int) -> list[TierHit]:
+        found: list[tuple[Any, list[TierHit]]] = []
+        block = start_block
+        for c in self.connectors:
+            hits = c.lookup(request, block, max_blocks)
+            found.append((c, hits))
+            block += len(hits)
+        self._hits[request.request_id] = found
+        return [h for _, hits in found for h in hits]
+
+    def count_lookup(self, request: Request) -> None:
+        for c in self.connectors:
+            c.count_lookup(request)
+
+    def on_allocated(self, request: Request, block_ids: list[int], hits: list[TierHit]) -> None:
+        start = 0
+        for c, mine in self._hits.pop(request.request_id, []):
+            if mine:
+                c.on_allocated(request, block_ids[start:start + len(mine)], mine)
+                start += len(mine)
+
+    def build_meta(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> list[Any]:
+        return [c.build_meta(out, requests) for c in self.connectors]
+
+    def start_load(self, request: Request, num_device_blocks: int) -> bool:
+        waiting = {i for i, c in enumerate(self.connectors) if c.start_load(request, num_device_blocks)}
+        if waiting:
+            self._loading[request.request_id] = waiting
+        return bool(waiting)
+
+    def finished_loading(self) -> list[str]:
+        done = []
+        for i, c in enumerate(self.connectors):
+            for rid in c.finished_loading():
+                why = c.load_error(rid)
+                if why is not None:
+                    self._failed.setdefault(rid, why)
+                left = self._loading.get(rid)
+                if left is not None:
+                    left.discard(i)
+                    if not left:
+                        del self._loading[rid]
+                        done.append(rid)
+        return done
+
+    def load_error(self, request_id: str) -> str | None:
+        return self._failed.pop(request_id, None)
+
+    def wait(self, timeout: float) -> None:
+        loading = set().union(*self._loading.values())
+        if loading:  # one connector's load at a time is waited on: any one finishing ends the wait soon
+            self.connectors[min(loading)].wait(timeout)
+        else:
+            time.sleep(timeout)
+
+    def request_finished(self, request: Request) -> bool:
+        holding = {i for i, c in enumerate(self.connectors) if c.request_finished(request)}
+        if holding:
+            self._sending[request.request_id] = holding
+        return bool(holding)
+
+    def finished_sending(self) -> list[str]:
+        done = []
+        for i, c in enumerate(self.connectors):
+            for rid in c.finished_sending():
+                left = self._sending.get(rid)
+                if left is not None:
+                    left.discard(i)
+                    if not left:
+                        del self._sending[rid]
+                        done.append(rid)
+        return done
+
+    def take_output_params(self, request_id: str) -> dict[str, Any] | None:
+        params = [p for c in self.connectors if (p := c.take_output_params(request_id)) is not None]
+        return params[0] if params else None
+
+    def forget(self, request_id: str) -> None:
+        self._hits.pop(request_id, None)
+        self._loading.pop(request_id, None)
+        self._sending.pop(request_id, None)
+        self._failed.pop(request_id, None)
+        for c in self.connectors:
+            c.forget(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for c in self.connectors:
+            out.update(c.stats())
+        return out
+
+    def close(self) -> None:
+        for c in self.connectors:
+            c.close()
+
+    def before_forward(self, meta: list[Any], runner: Any) -> None:
+        for c, m in zip(self.connectors, meta):
+            c.before_forward(m, runner)
+
+    def after_forward(self, meta: list[Any], runner: Any) -> None:
+        for c, m in zip(self.connectors, meta):
+            c.after_forward(m, runner)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from kvserve.config import CacheConfig, EngineConfig, KVEventsConfig, TierConfig
+from kvserve.core.kv_connector import MultiConnector
 from kvserve.core.kv_events import KVEventPublisher, KVEventSink
 from kvserve.core.kv_manager import KVCacheManager
 from kvserve.core.sched_output import SchedulerOutput
@@ -89,10 +90,16 @@ class EngineCore:
                     str(self.dtype).removeprefix("torch."), self.quantization, self.weight_bytes / 1e6, len(info))
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                  cache_config.prefix_cache)
-        # The KV connector (core/kv_connector.py), both halves: the KV tiers, or prefill/decode
-        # transfer. `tiers` is the same object when it is the tiers (clearing, saving at exit).
+        # The KV connector (core/kv_connector.py), both halves: the KV tiers, prefill/decode
+        # transfer, or both (tiers first). `tiers` and `transfer` are the parts, for what only
+        # they do (clearing and saving the tiers).
         self.tiers = self._tiers(config.tiers) if config.tiers.enabled else None
-        self.connector = self.tiers or (self._kv_transfer(config) if config.kv_transfer.enabled else None)
+        self.transfer = self._kv_transfer(config) if config.kv_transfer.enabled else None
+        parts = [c for c in (self.tiers, self.transfer) if c is not None]
+        self.connector = (parts[0] if len(parts) == 1 else MultiConnector(parts)) if parts else None
+        if self.tiers is not None:  # evicted blocks go down to the tiers (through every connector)
+            self.kv.attach_connector(self.connector)
+            atexit.register(self.close)  # queued tier writes and the disk tier's save happen at exit too
         self.kv_events = self._kv_events(config.kv_events) if config.kv_events.enabled else None
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.connector)
         self.errors: dict[str, str] = {}  # requests that failed in the engine (not on input): id -> why
@@ -146,8 +153,6 @@ class EngineCore:
 
         tiers = TierManager(cfg, self.model_fingerprint, self.cache_config.block_size, self.executor.kv_block_shape,
                             self.kv_dtype)
-        self.kv.attach_connector(tiers)
-        atexit.register(self.close)  # queued tier writes and the disk tier's save happen at exit too
         return tiers
 
     def _kv_transfer(self, config: EngineConfig):
@@ -156,9 +161,7 @@ class EngineCore:
         handshake = {"model": Path(self.model_path).name, "block_size": self.cache_config.block_size,
                      "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
                      "block_shape": list(self.executor.kv_block_shape), "fingerprint": self.model_fingerprint.hex()}
-        connector = PDConnector(config.kv_transfer, handshake, self.cache_config.block_size)
-        self.kv.attach_connector(connector)
-        return connector
+        return PDConnector(config.kv_transfer, handshake, self.cache_config.block_size)
 
     def _kv_events(self, cfg: KVEventsConfig) -> KVEventPublisher:
         """Publish the blocks of the prefix cache and of every tier for routers."""
@@ -342,10 +345,11 @@ class EngineCore:
                 except WorkerError as e:  # a rank is gone, and the KV it held with it
                     logger.warning("KV tiers: blocks in memory not saved: %s", e)
             self.tiers.close()
-            self.tiers = self.connector = None
-        if self.connector is not None:
-            self.connector.close()
-            self.connector = None
+            self.tiers = None
+        if self.transfer is not None:
+            self.transfer.close()
+            self.transfer = None
+        self.connector = None
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None

@@ -9,19 +9,23 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvserve.core.kv_connector import DEVICE_TIER, EvictedBlock, KVConnector, TierHit
+from kvserve.core.kv_connector import DEVICE_TIER, EvictedBlock, KVConnector, MultiConnector, TierHit
 from kvserve.core.prefix_cache import compute_block_hashes
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.request import Request, RequestStatus
 from tests.core.test_scheduler import BS, expected_output, make_sched, req, step
 
-REMOTE_BLOCKS = 2  # the fake has the first two blocks of every "load*" request's prompt
+REMOTE_BLOCKS = 2  # the fake has two blocks of every prompt of a request whose id says "load"
 LOAD_STEPS = 3  # ... and they arrive after this many steps
-SEND_STEPS = 2  # a "send*" request's blocks are sent this many steps after it finishes
+SEND_STEPS = 2  # a "send" request's blocks are sent this many steps after it finishes
 
 
 class FakeConnector(KVConnector):
-    def __init__(self) -> None:
+    def __init__(self, first_block: int = 0, load_steps: int = LOAD_STEPS, send_steps: int = SEND_STEPS,
+                 fail: bool = False) -> None:
+        """Holds blocks first_block .. REMOTE_BLOCKS - 1 + first_block of "load*" prompts; `fail`:
+        every load fails (load_error)."""
+        self.first_block, self.load_steps, self.send_steps, self.fail = first_block, load_steps, send_steps, fail
         self.step = 0
         self.loading: dict[str, int] = {}  # request id -> the step its load finishes
         self.loaded: set[str] = set()
@@ -38,7 +42,10 @@ class FakeConnector(KVConnector):
         if request.request_id not in self.loaded:
             return []
         hashes = compute_block_hashes(request, max_blocks, BS)
-        return [TierHit(hashes[i], "remote") for i in range(start_block, min(max_blocks, REMOTE_BLOCKS))]
+        if start_block != self.first_block:
+            return []
+        end = min(max_blocks, self.first_block + REMOTE_BLOCKS)
+        return [TierHit(hashes[i], "remote") for i in range(start_block, end)]
 
     def count_lookup(self, request: Request) -> None:
         self.counted.append(request.request_id)
@@ -54,9 +61,9 @@ class FakeConnector(KVConnector):
         return meta
 
     def start_load(self, request: Request, num_device_blocks: int) -> bool:
-        if not request.request_id.startswith("load"):
+        if "load" not in request.request_id:
             return False
-        self.loading[request.request_id] = self.step + LOAD_STEPS
+        self.loading[request.request_id] = self.step + self.load_steps
         return True
 
     def finished_loading(self) -> list[str]:
@@ -67,10 +74,13 @@ class FakeConnector(KVConnector):
         return done
 
     def request_finished(self, request: Request) -> bool:
-        if not request.request_id.startswith("send"):
+        if "send" not in request.request_id:
             return False
-        self.sending[request.request_id] = (self.step + SEND_STEPS, list(request.block_ids))
+        self.sending[request.request_id] = (self.step + self.send_steps, list(request.block_ids))
         return True
+
+    def load_error(self, request_id: str) -> str | None:
+        return "the fake failed" if self.fail else None
 
     def finished_sending(self) -> list[str]:
         done = [rid for rid, (at, _) in self.sending.items() if at <= self.step]
@@ -144,3 +154,44 @@ def test_finished_requests_keep_their_blocks_until_sent():
         step(s)
     assert not s.held and "send-a" in conn.forgotten and s.kv.num_used_blocks == 0
     assert sent.output_token_ids == expected_output(sent.prompt_token_ids, 2)
+
+
+def _multi(*parts: FakeConnector):
+    s = make_sched()
+    s.connector = MultiConnector(list(parts))
+    return s
+
+
+def test_multi_connector_loads_from_each_in_turn_and_holds_until_all_sent():
+    a, b = FakeConnector(0, load_steps=2, send_steps=1), FakeConnector(REMOTE_BLOCKS, load_steps=4, send_steps=3)
+    s = _multi(a, b)
+    r = req("load-send", 5 * BS + 1, max_tokens=2)
+    s.add_request(r)
+    for _ in range(4):  # a has finished, b not yet: it still waits
+        assert not step(s).num_scheduled_tokens and r.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    out = step(s)
+    assert out.num_scheduled_tokens == {"load-send": BS + 1}  # 4 blocks loaded: 2 from each
+    meta_a, meta_b = out.kv_connector_meta
+    assert [blk for blk, _ in meta_a["onloads"]] == r.block_ids[:2]
+    assert [blk for blk, _ in meta_b["onloads"]] == r.block_ids[2:4]
+    assert r.num_cached_tokens_by_tier == {DEVICE_TIER: 0, "remote": 4 * BS}
+    while r.status != RequestStatus.FINISHED_LENGTH:
+        step(s)
+    held_steps = 0
+    while s.has_unfinished_requests():
+        assert s.held == {"load-send": r}
+        step(s)
+        held_steps += 1
+    assert held_steps == 4  # b's 3 steps, then the step that frees it
+    assert s.kv.num_used_blocks == 0 and "load-send" in a.forgotten and "load-send" in b.forgotten
+    assert r.output_token_ids == expected_output(r.prompt_token_ids, 2)
+
+
+def test_multi_connector_fails_a_request_whose_load_failed():
+    s = _multi(FakeConnector(0, load_steps=1), FakeConnector(REMOTE_BLOCKS, load_steps=2, fail=True))
+    r = req("load-bad", 5 * BS + 1)
+    s.add_request(r)
+    while s.has_unfinished_requests():
+        step(s)
+    assert s.take_failed() == {"load-bad": "the fake failed"}
+    assert r.status == RequestStatus.FINISHED_ABORTED and s.kv.num_used_blocks == 0

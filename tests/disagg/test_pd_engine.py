@@ -106,6 +106,58 @@ def test_transferred_blocks_are_cached_on_the_decode_side(pair):
     assert again.num_cached_tokens_by_tier.get("device", 0) >= (len(prompt) - 1) // BLOCK * BLOCK
 
 
+def test_decode_side_already_holds_a_prefix(pair, reference):
+    """A system prompt the decode engine holds: the transfer fills in only the blocks after it."""
+    p, d = pair
+    for llm in pair:
+        llm.engine.clear_kv_cache()
+    prompt = PROMPTS[3]
+    d.generate([{"prompt_token_ids": prompt[:20]}], greedy(1), use_tqdm=False)  # 5 full blocks cached
+    idle(d)
+    out = decode(d, [prompt], prefill(p, [prompt]))[0]
+    assert out.outputs[0].token_ids == reference[3]
+    full = (len(prompt) - 1) // BLOCK * BLOCK
+    assert out.num_cached_tokens_by_tier == {"device": 20, "kv_transfer": full - 20}
+    assert _blocks_used(d) == 0
+
+
+def test_with_kv_tiers(model_dir, reference):
+    """Transfer and a host-RAM tier on one decode engine (MultiConnector): a prompt evicted from
+    the device comes back from RAM, a new one from the prefill engine."""
+    p = _llm(model_dir, kv_role="prefill")
+    d = LLM(model=str(model_dir), block_size=BLOCK, num_kv_blocks=28, dtype="float32", check_integrity=True,
+            kv_role="decode", kv_offload_cpu="64MiB")
+    try:
+        outs = decode(d, PROMPTS[:4], prefill(p, PROMPTS[:4]))
+        assert [o.outputs[0].token_ids for o in outs] == reference[:4]
+        assert all(o.num_cached_tokens_by_tier.get("kv_transfer", 0) == (len(x) - 1) // BLOCK * BLOCK
+                   for o, x in zip(outs, PROMPTS[:4]))
+        # PROMPTS[3] (22 blocks) pushed the first prompts' blocks out to RAM: they come back from there
+        again = d.generate([{"prompt_token_ids": PROMPTS[0]}], greedy(), use_tqdm=False)[0]
+        assert again.outputs[0].token_ids == reference[0]
+        assert again.num_cached_tokens_by_tier.get("cpu", 0) > 0
+        idle(d)
+        assert _blocks_used(d) == 0 and _blocks_used(p) == 0
+    finally:
+        p.engine.close()
+        d.engine.close()
+
+
+@pytest.mark.parametrize("cache", [{"prefix_cache": "radix"}, {"enable_prefix_caching": False}])
+def test_other_prefix_caches(model_dir, reference, cache):
+    p = _llm(model_dir, kv_role="prefill", **cache)
+    d = _llm(model_dir, kv_role="decode", **cache)
+    try:
+        outs = decode(d, PROMPTS[:4], prefill(p, PROMPTS[:4]))
+        assert [o.outputs[0].token_ids for o in outs] == reference[:4]
+        assert d.engine.stats()["kv_transfer_tokens_received"] == sum((len(x) - 1) // BLOCK * BLOCK
+                                                                      for x in PROMPTS[:4])
+        assert _blocks_used(d) == 0 and _blocks_used(p) == 0
+    finally:
+        p.engine.close()
+        d.engine.close()
+
+
 @pytest.mark.parametrize("transport", ["zmq", "shm"])
 def test_transports(model_dir, reference, transport):
     cfg = {"kv_connector_extra_config": {"transport": transport}}
@@ -256,7 +308,5 @@ def test_config_errors_name_the_key():
         EngineConfig.from_kwargs(kv_transfer_config="{not json")
     with pytest.raises(ValueError, match="transport must be one of"):
         EngineConfig.from_kwargs(kv_role="decode", kv_transfer_config={"kv_connector_extra_config": {"transport": "rdma"}})
-    with pytest.raises(ValueError, match="cannot be combined with the KV tiers"):
-        EngineConfig.from_kwargs(kv_role="decode", kv_offload_cpu="1GiB")
     cfg = EngineConfig.from_kwargs(kv_transfer_config='{"kv_role": "kv_producer", "kv_port": 5555}').kv_transfer
     assert cfg.kv_role == "prefill" and cfg.port == 5555 and cfg.policy == "recompute"
