@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import socket
 import threading
 import time
@@ -293,8 +294,11 @@ def fetch(host: str, port: int, tid: str, handshake: dict[str, Any], timeout: fl
 
 
 def _read_segment(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    out = torch.empty(shape, dtype=dtype)
+    """The blocks, mapped from the sender's file (private, copy-on-write): no copy here; the
+    pages stay ours after the sender removes the file, until the tensor is gone."""
+    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
     with open(SHM_DIR / Path(name).name, "rb") as f:
-        if f.readinto(out.view(torch.uint8).numpy().reshape(-1)) != out.numel() * out.element_size():
-            raise KVTransferError(f"shared-memory transfer {name} is shorter than its blocks")
-    return out
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    if len(mapped) < nbytes:
+        raise KVTransferError(f"shared-memory transfer {name} is shorter than its blocks")
+    return torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)

@@ -20,12 +20,17 @@ from the router's own calls. The modes (--pd-decision), with the reasons they gi
       remote = uncached tokens on the prefill replica / rate + prompt tokens x transfer per token
       queue  = requests in flight on the prefill replica x mean prefill latency
 
+      allowed = REMOTE_FACTOR x local time to first token (the decode replica's queued
+                prefill + `local`) + decode streams on the decode replica x `local`
+
   local when `local` is within --pd-local-budget-ms: the stall it causes the decode streams
   is negligible ("short_prompt"); local when the remote path's time to first token would be
-  over REMOTE_FACTOR times the local one (the decode replica's queued prefill + `local`),
-  because of the transfer or a prefill replica holding less of the prompt ("remote_slower")
-  or because of the prefill queue ("prefill_queue"); remote otherwise, sparing the decode
-  streams at a bounded cost ("remote_cheaper").
+  over `allowed`, because of the transfer or a prefill replica holding less of the prompt
+  ("remote_slower") or because of the prefill queue ("prefill_queue"); remote otherwise,
+  sparing the decode streams at a bounded cost ("remote_cheaper"). The streams' term is what
+  disaggregation buys: a long prompt prefilled locally stalls every one of them for its
+  whole prefill, so with many streams a long prompt waits in the prefill queue rather than
+  stall them, while a short one, whose stall is small, is not sent to wait behind it.
 
 Every mode is local when no prefill replica is up ("no_prefill_replica"); the proxy also
 keeps a completion of several prompts local ("batch") and falls back to local when the
@@ -95,6 +100,7 @@ class PDInputs:
     # the chosen prefill replica, None when none is up
     uncached_prefill: int | None = None  # prompt tokens it does not hold
     prefill_in_flight: int = 0  # requests the router has sent it and not seen answered
+    decode_streams: int = 0  # requests generating on the chosen decode replica: a local prefill stalls them
 
 
 def decide(config: PDConfig, req: PDInputs, costs: Costs) -> tuple[str, str]:
@@ -112,10 +118,13 @@ def decide(config: PDConfig, req: PDInputs, costs: Costs) -> tuple[str, str]:
     if local_s <= config.local_budget_s:
         return LOCAL, "short_prompt"
     local_ttft = req.decode_queued_tokens / rate + local_s
+    # What the remote path may cost this request: REMOTE_FACTOR x its local time to first
+    # token, plus the stall a local prefill would cause every stream decoding there.
+    allowed = REMOTE_FACTOR * local_ttft + req.decode_streams * local_s
     remote_s = req.uncached_prefill / rate + req.prompt_tokens * costs.transfer_s_per_token
-    if remote_s > REMOTE_FACTOR * local_ttft:
+    if remote_s > allowed:
         return LOCAL, "remote_slower"
-    if req.prefill_in_flight * costs.prefill_latency_s + remote_s > REMOTE_FACTOR * local_ttft:
+    if req.prefill_in_flight * costs.prefill_latency_s + remote_s > allowed:
         return LOCAL, "prefill_queue"
     return REMOTE, "remote_cheaper"
 

@@ -100,7 +100,8 @@ class PDProxy(Proxy):
         else:
             prefill = self._choose_prefill(req, replica) if self.config.decision != "never" else None
             inputs = PDInputs(req.num_prompt_tokens, uncached, replica.view.pending_prefill_tokens,
-                              prefill[1] if prefill else None, prefill[0].view.in_flight if prefill else 0)
+                              prefill[1] if prefill else None, prefill[0].view.in_flight if prefill else 0,
+                              replica.view.decode_streams)
             where, reason = decide(self.config, inputs, self.estimator.costs)
         if where == REMOTE:
             assert prefill is not None

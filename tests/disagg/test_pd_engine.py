@@ -186,15 +186,17 @@ def test_n_samples_and_stop_strings(pair):
                                     extra_args={"kv_transfer_params": t}), use_tqdm=False)[0]
     idle(d)
     assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
-    # a stop string cuts the text the same way
-    text = want.outputs[0].text
-    stop = text[len(text) // 2:len(text) // 2 + 2] if len(text) > 3 else None
-    if stop and stop.strip():
-        d.engine.clear_kv_cache()
-        want_s = d.generate([{"prompt_token_ids": prompt}], greedy(stop=[stop]), use_tqdm=False)[0]
-        d.engine.clear_kv_cache()
-        got_s = decode(d, [prompt], prefill(p, [prompt]), stop=[stop])[0]
-        assert got_s.outputs[0].text == want_s.outputs[0].text
+    # a stop string cuts the text the same way: two characters from the middle of the greedy text
+    d.engine.clear_kv_cache()
+    text = d.generate([{"prompt_token_ids": prompt}], greedy(), use_tqdm=False)[0].outputs[0].text
+    assert len(text) >= 4
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    d.engine.clear_kv_cache()
+    want_s = d.generate([{"prompt_token_ids": prompt}], greedy(stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert want_s.finish_reason == "stop" and len(want_s.text) < len(text)
+    d.engine.clear_kv_cache()
+    got_s = decode(d, [prompt], prefill(p, [prompt]), stop=[stop])[0].outputs[0]
+    assert (got_s.text, got_s.finish_reason) == (want_s.text, "stop")
     assert _blocks_used(p) == 0 and _blocks_used(d) == 0
 
 

@@ -80,6 +80,11 @@ def test_conditional_weighs_stall_queue_and_transfer():
     # prompts already waiting on the decode replica make local slower too
     assert decide(cfg, inputs(1000, prefill_in_flight=3, decode_queued_tokens=2000), COSTS) == (REMOTE,
                                                                                                 "remote_cheaper")
+    # streams decoding on the decode replica: a local prefill would stall each of them for 1 s,
+    # so the prompt waits in the prefill queue instead (1.1 + 1.5 s <= 2 x 1 + 4 x 1 s) ...
+    assert decide(cfg, inputs(1000, prefill_in_flight=3, decode_streams=4), COSTS) == (REMOTE, "remote_cheaper")
+    # ... but not behind any queue: 10 x 0.5 s + 1.1 s > 2 + 4 s
+    assert decide(cfg, inputs(1000, prefill_in_flight=10, decode_streams=4), COSTS) == (LOCAL, "prefill_queue")
     # the measured rate moves the short-prompt line: 1000 tokens are 10 ms at 100k tokens/s
     fast = Costs(prefill_tokens_per_s=100_000.0)
     assert decide(cfg, inputs(1000), fast) == (LOCAL, "short_prompt")
