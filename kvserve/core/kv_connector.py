@@ -20,6 +20,8 @@ A feature's per-request state lives in its connector, keyed by request id, not o
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -48,6 +50,32 @@ class TierHit:
 
     block_hash: bytes
     origin: str  # where it came from, for the cached-token split ("cpu", "disk", "remote", ...)
+
+
+class FinishedLoads:
+    """Request ids whose background load has finished, handed from loader threads to the engine
+    thread: what a connector's `finished_loading` and `wait` read."""
+
+    def __init__(self) -> None:
+        self._ids: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._event = threading.Event()
+
+    def put(self, request_id: str) -> None:
+        self._ids.put(request_id)
+        self._event.set()
+
+    def drain(self) -> list[str]:
+        out = []
+        while True:
+            try:
+                out.append(self._ids.get_nowait())
+            except queue.Empty:
+                self._event.clear()
+                return out
+
+    def wait(self, timeout: float) -> None:
+        """Until a load finishes (one not drained yet counts) or `timeout` passes."""
+        self._event.wait(timeout)
 
 
 class KVConnector(ABC):
@@ -193,16 +221,12 @@ class MultiConnector(KVConnector, KVConnectorWorker):
     def finished_loading(self) -> list[str]:
         done = []
         for i, c in enumerate(self.connectors):
-            for rid in c.finished_loading():
+            rids = c.finished_loading()
+            for rid in rids:
                 why = c.load_error(rid)
                 if why is not None:
                     self._failed.setdefault(rid, why)
-                left = self._loading.get(rid)
-                if left is not None:
-                    left.discard(i)
-                    if not left:
-                        del self._loading[rid]
-                        done.append(rid)
+            done += _all_done(self._loading, i, rids)
         return done
 
     def load_error(self, request_id: str) -> str | None:
@@ -222,16 +246,7 @@ class MultiConnector(KVConnector, KVConnectorWorker):
         return bool(holding)
 
     def finished_sending(self) -> list[str]:
-        done = []
-        for i, c in enumerate(self.connectors):
-            for rid in c.finished_sending():
-                left = self._sending.get(rid)
-                if left is not None:
-                    left.discard(i)
-                    if not left:
-                        del self._sending[rid]
-                        done.append(rid)
-        return done
+        return [rid for i, c in enumerate(self.connectors) for rid in _all_done(self._sending, i, c.finished_sending())]
 
     def take_output_params(self, request_id: str) -> dict[str, Any] | None:
         params = [p for c in self.connectors if (p := c.take_output_params(request_id)) is not None]
@@ -262,3 +277,17 @@ class MultiConnector(KVConnector, KVConnectorWorker):
     def after_forward(self, meta: list[Any], runner: Any) -> None:
         for c, m in zip(self.connectors, meta):
             c.after_forward(m, runner)
+
+
+def _all_done(pending: dict[str, set[int]], i: int, rids: list[str]) -> list[str]:
+    """Connector i is done with `rids`: those no other connector still works on (dropped from
+    `pending`, request -> the connectors still at it)."""
+    done = []
+    for rid in rids:
+        left = pending.get(rid)
+        if left is not None:
+            left.discard(i)
+            if not left:
+                del pending[rid]
+                done.append(rid)
+    return done

@@ -21,7 +21,6 @@ same name), in vLLM's shape:
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 
 from kvserve.config import KVTransferConfig
-from kvserve.core.kv_connector import EvictedBlock, KVConnector, KVConnectorWorker, TierHit
+from kvserve.core.kv_connector import EvictedBlock, FinishedLoads, KVConnector, KVConnectorWorker, TierHit
 from kvserve.core.prefix_cache import compute_block_hashes, max_cached_blocks
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.disagg.params import transfer_params
@@ -78,8 +77,7 @@ class PDConnector(KVConnector, KVConnectorWorker):
         self._sent: list[str] = []  # ... copied: their device blocks may be freed
         self._out_params: dict[str, dict[str, Any]] = {}  # request id -> its output's kv_transfer_params
         # decode side
-        self._done: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._done_event = threading.Event()
+        self._done = FinishedLoads()
         self._loaded: dict[str, _Loaded] = {}  # fetched, waiting to be allocated
         self._errors: dict[str, str] = {}  # fetch failures that fail their request (policy fail)
         self._fetching: set[str] = set()  # requests with a fetch queued or running
@@ -162,23 +160,16 @@ class PDConnector(KVConnector, KVConnectorWorker):
                     self._errors.pop(rid, None)
                     return
             self._done.put(rid)
-            self._done_event.set()
 
     def finished_loading(self) -> list[str]:
-        out = []
-        while True:
-            try:
-                out.append(self._done.get_nowait())
-            except queue.Empty:
-                self._done_event.clear()
-                return out
+        return self._done.drain()
 
     def load_error(self, request_id: str) -> str | None:
         with self._lock:
             return self._errors.pop(request_id, None)
 
     def wait(self, timeout: float) -> None:
-        self._done_event.wait(timeout)
+        self._done.wait(timeout)
 
     # ---- decode side: the step path -------------------------------------------------------
 

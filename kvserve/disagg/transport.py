@@ -296,7 +296,7 @@ def fetch(host: str, port: int, tid: str, handshake: dict[str, Any], timeout: fl
 def _read_segment(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """The blocks, mapped from the sender's file (private, copy-on-write): no copy here; the
     pages stay ours after the sender removes the file, until the tensor is gone."""
-    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     with open(SHM_DIR / Path(name).name, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     if len(mapped) < nbytes:

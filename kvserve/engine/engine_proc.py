@@ -228,7 +228,7 @@ class RequestDelta:
         metrics = RequestMetrics(**d["metrics"]) if d["metrics"] is not None else None
         return cls(d["request_id"], [CompletionDelta.from_wire(c) for c in d["completions"]],
                    d["finished"], d["num_prompt_tokens"], d["num_cached_tokens"], plp, metrics,
-                   d["cached_tokens_by_tier"], d.get("kv_transfer_params"))
+                   d["cached_tokens_by_tier"], d["kv_transfer_params"])
 
 
 # ---- child side: turning cumulative RequestOutputs into deltas -------------

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from kvserve.config import TierConfig
-from kvserve.core.kv_connector import EvictedBlock, KVConnector, KVConnectorWorker, TierHit
+from kvserve.core.kv_connector import EvictedBlock, FinishedLoads, KVConnector, KVConnectorWorker, TierHit
 from kvserve.core.kv_events import KVEventSink
 from kvserve.core.prefix_cache import block_tokens, compute_block_hashes, max_cached_blocks
 from kvserve.core.sched_output import SchedulerOutput
@@ -117,8 +117,7 @@ class TierManager(KVConnector, KVConnectorWorker):
         self._offloads: list[EvictedBlock] = []  # evicted since the last step
         self._onloads: list[tuple[int, TierHit]] = []  # allocated this step
         self._written: dict[str, int] = {}  # request id -> its full blocks sent to the remote tier
-        self._done: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._done_event = threading.Event()
+        self._done = FinishedLoads()
         self._fetching: set[str] = set()  # requests with a prefetch queued or running
         self._cancelled: set[str] = set()  # ... of those, the ones finished meanwhile
         self.stats_tokens: dict[str, int] = defaultdict(int)  # "<tier>_queries" / "<tier>_hits", in tokens
@@ -336,17 +335,11 @@ class TierManager(KVConnector, KVConnectorWorker):
         return True
 
     def finished_loading(self) -> list[str]:
-        out = []
-        while True:
-            try:
-                out.append(self._done.get_nowait())
-            except queue.Empty:
-                self._done_event.clear()
-                return out
+        return self._done.drain()
 
     def wait(self, timeout: float) -> None:
         """Block until a prefetch finishes or `timeout` passes (the engine has nothing else to do)."""
-        self._done_event.wait(timeout)
+        self._done.wait(timeout)
 
     def forget(self, request_id: str) -> None:
         self._lookups.pop(request_id, None)
@@ -406,7 +399,6 @@ class TierManager(KVConnector, KVConnectorWorker):
                     for key in self._staged_by_req.pop(request_id, []):
                         self._staged.pop(key, None)
             self._done.put(request_id)
-            self._done_event.set()
 
     def _write(self, key: bytes, blob: bytes, targets: list[KVTier], name: tuple[bytes, bytes] | None = None) -> None:
         for tier in targets:
