@@ -318,7 +318,7 @@ class DeltaTracker:
                  for i, s in tr.completions.items() if not s.finished]
         return RequestDeltaWire(request_id=request_id, completions=comps, finished=True, num_prompt_tokens=0,
                                 num_cached_tokens=0, cached_tokens_by_tier={}, prompt_logprobs=None,
-                                metrics=None)
+                                metrics=None, kv_transfer_params=None)
 
 
 # ---- child side: the loop ---------------------------------------------------
