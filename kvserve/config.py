@@ -334,6 +334,40 @@ def parse_json_object(value: str | dict | None, name: str) -> dict[str, Any] | N
     return out
 
 
+BLEND_SEPARATOR = " # # "  # LMCache's
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    """Non-prefix chunk reuse (blend/, CacheBlend-style); off unless enabled, so ordinary prompts
+    that happen to contain the separator are never touched."""
+
+    enabled: bool = False  # --enable-blending
+    separator: str = BLEND_SEPARATOR  # splits a prompt's text: prefix SEP chunk SEP chunk ... SEP suffix
+    recompute_ratio: float = 0.15  # the share of a blended span's tokens recomputed through every layer
+    check_layer: int = 1  # where the tokens whose K/V deviate most from the reused copy are picked
+    recompute_chunk_start: int = 0  # also recompute each chunk's first N tokens (EPIC's attention-sink fix)
+    max_deviation: float = 0.05  # the quality guard: above this mean relative K/V deviation, full prefill
+    max_chunk_tokens: int = 4096  # a longer chunk is refused
+
+    def __post_init__(self) -> None:
+        _check_bool("enable_blending", self.enabled)
+        if not isinstance(self.separator, str) or not self.separator.strip():
+            raise ValueError(f"blend_separator must be a non-blank string, got {self.separator!r}")
+        check_recompute_ratio("blend_recompute_ratio", self.recompute_ratio)
+        _check_int("blend_check_layer", self.check_layer, 0)
+        _check_int("blend_recompute_chunk_start", self.recompute_chunk_start, 0)
+        _check_int("blend_max_chunk_tokens", self.max_chunk_tokens, 1)
+        if isinstance(self.max_deviation, bool) or not isinstance(self.max_deviation, (int, float)) \
+                or not self.max_deviation > 0:
+            raise ValueError(f"blend_max_deviation must be a positive number, got {self.max_deviation!r}")
+
+
+def check_recompute_ratio(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """The scheduler's limits. None fields are filled in by the engine, which knows the model:
@@ -446,13 +480,14 @@ class EngineConfig:
     tiers: TierConfig = field(default_factory=TierConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    blend: BlendConfig = field(default_factory=BlendConfig)
     device: str = "cpu"
     check_integrity: bool = False  # check the KV cache's invariants after every step (tests)
 
     def __post_init__(self) -> None:
         sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                     "parallel": ParallelConfig, "tiers": TierConfig, "kv_events": KVEventsConfig,
-                    "kv_transfer": KVTransferConfig}
+                    "kv_transfer": KVTransferConfig, "blend": BlendConfig}
         for name, cls in sections.items():
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(f"EngineConfig.{name} must be a {cls.__name__}, got {getattr(self, name)!r}")

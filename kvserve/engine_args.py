@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvserve.config import (ATTENTION_BACKENDS, DTYPES, EXECUTOR_BACKENDS, KV_CACHE_DTYPES, KV_LOAD_FAILURE_POLICIES,
-                            KV_ROLES, PREFIX_CACHES, CacheConfig, EngineConfig, KVEventsConfig, KVTransferConfig,
+                            KV_ROLES, PREFIX_CACHES, BlendConfig, CacheConfig, EngineConfig, KVEventsConfig, KVTransferConfig,
                             ModelConfig, ParallelConfig, SchedulerConfig, TierConfig, parse_json_object, parse_size)
 
 # The exit code of every kvserve command given a bad flag or value (the message names it).
@@ -26,7 +26,7 @@ EXIT_BAD_INPUT = 2
 # EngineConfig's sections, by the name a Flag.target starts with.
 SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                              "parallel": ParallelConfig, "tiers": TierConfig, "kv_events": KVEventsConfig,
-                             "kv_transfer": KVTransferConfig}
+                             "kv_transfer": KVTransferConfig, "blend": BlendConfig}
 
 GROUP_TITLES = {
     "engine": "engine",
@@ -34,6 +34,7 @@ GROUP_TITLES = {
     "tiers": "KV tiers (blocks evicted from the KV cache are kept here and loaded back on a hit)",
     "kv_events": "KV events (the blocks this engine caches, published for `kvserve router`)",
     "kv_transfer": "prefill/decode disaggregation (K/V computed by one engine, decoded by another)",
+    "blend": "non-prefix KV reuse (CacheBlend): chunks of a prompt reuse their K/V wherever they appear",
 }
 
 
@@ -176,6 +177,25 @@ FLAGS: tuple[Flag, ...] = (
     Flag("kv_load_failure_policy", "kv_transfer.load_failure_policy", None,
          "when K/V cannot be pulled from the prefill engine: recompute (prefill here; default) or fail "
          "(the request fails with an error)", group="kv_transfer", choices=KV_LOAD_FAILURE_POLICIES),
+    # ---- non-prefix reuse (blend/)
+    Flag("enable_blending", "blend.enabled", False,
+         "reuse the K/V of text chunks anywhere in a prompt: chunks are marked by --blend-separator or "
+         "listed in a request's `blend.chunks`", group="blend", boolean="store_true"),
+    Flag("blend_separator", "blend.separator", BlendConfig.separator,
+         "splits a prompt's text into prefix, chunks and suffix (prefix SEP chunk SEP ... SEP suffix)",
+         group="blend", metavar="TEXT"),
+    Flag("blend_recompute_ratio", "blend.recompute_ratio", BlendConfig.recompute_ratio,
+         "share of a blended span's tokens recomputed through every layer (1 = a plain prefill)",
+         group="blend", type=float, metavar="R"),
+    Flag("blend_check_layer", "blend.check_layer", BlendConfig.check_layer,
+         "the layer at which the tokens to recompute are picked", group="blend", type=int, metavar="L"),
+    Flag("blend_recompute_chunk_start", "blend.recompute_chunk_start", BlendConfig.recompute_chunk_start,
+         "also recompute each chunk's first N tokens", group="blend", type=int, metavar="N"),
+    Flag("blend_max_deviation", "blend.max_deviation", BlendConfig.max_deviation,
+         "quality guard: a blend whose reused K/V deviate more than this (mean relative) is recomputed "
+         "in full", group="blend", type=float, metavar="D"),
+    Flag("blend_max_chunk_tokens", "blend.max_chunk_tokens", BlendConfig.max_chunk_tokens,
+         "longest chunk accepted", group="blend", type=int, metavar="N"),
 )
 
 FLAGS_BY_NAME: dict[str, Flag] = {f.name: f for f in FLAGS}

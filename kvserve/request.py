@@ -67,6 +67,9 @@ class Request:
         self.num_cached_tokens_by_tier: dict[str, int] = {}  # the same, split by where the K/V came from
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []
+        # Blocks from this index on may hold approximate K/V (chunks reused out of order, blend/):
+        # the prefix cache keys them apart from exactly computed ones (`block_salt`). None: all exact.
+        self.approx_from_block: int | None = None
         # Requests asking for prompt logprobs need every prompt position computed.
         self.skip_prefix_cache = sampling_params.prompt_logprobs is not None
         # n > 1: followers share the leader's prompt blocks and wait until it computed them.
@@ -81,6 +84,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    def block_salt(self, index: int) -> str | None:
+        """The salt block `index` is hashed with: cache_salt, or a variant of it for approximate blocks."""
+        if self.approx_from_block is None or index < self.approx_from_block:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00approx"
 
     @property
     def num_output_tokens(self) -> int:

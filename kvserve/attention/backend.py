@@ -26,6 +26,11 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
     seq_lens_tensor: torch.Tensor  # [B] int64
     block_size: int
+    # [T] int64, the position of each query token, where a prefill request's query tokens are not
+    # the last ones of its context (a blend's recomputed tokens, blend/): each sees the keys up to its
+    # own position. None: they are the last ones. Backends that cannot do it set supports_query_positions
+    # False.
+    query_positions: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -61,6 +66,7 @@ class AttentionBackend(ABC):
     """
 
     name: str = ""
+    supports_query_positions: bool = True  # AttentionMetadata.query_positions
 
     @abstractmethod
     def forward(

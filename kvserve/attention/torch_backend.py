@@ -48,13 +48,14 @@ class TorchAttentionBackend(AttentionBackend):
         for i in range(nd, meta.num_reqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             seq_len = meta.seq_lens[i]
-            if seq_len == end - start:  # no cached context: attend to the fresh K/V
+            qpos = None if meta.query_positions is None else meta.query_positions[start:end]
+            if seq_len == end - start and qpos is None:  # no cached context: attend to the fresh K/V
                 kk, vv = k[start:end], v[start:end]
             else:
                 ids = meta.block_tables[i, :-(-seq_len // meta.block_size)]
                 kk = self._gather(k_cache, ids, q.dtype, k_scale)[:seq_len]
                 vv = self._gather(v_cache, ids, q.dtype, v_scale)[:seq_len]
-            out[start:end] = _prefill(q[start:end], kk, vv, seq_len, scale)
+            out[start:end] = _prefill(q[start:end], kk, vv, seq_len, scale, qpos)
         return out
 
     def _decodes(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float,
@@ -126,18 +127,19 @@ def _select_blocks(cache: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | N
     return torch.index_select(rows, 0, ids, out=out).view(cache.dtype)
 
 
-def _prefill(q, k, v, seq_len: int, scale: float):
-    """q [Q, Hq, D] are the last Q positions of a context of seq_len tokens."""
+def _prefill(q, k, v, seq_len: int, scale: float, qpos: torch.Tensor | None = None):
+    """q [Q, Hq, D] are the last Q positions of a context of seq_len tokens, or sit at qpos [Q]."""
     q_len = q.shape[0]
     # 4-D [1, H, L, D]: with 3-D inputs SDPA skips its fused (flash) CPU kernel for the
     # math path, which is 3-6x slower on long prompts.
     qt, kt, vt = (x.to(q.dtype).transpose(0, 1)[None] for x in (q, k, v))
     gqa = qt.shape[1] != kt.shape[1]
-    if q_len == seq_len:
+    if q_len == seq_len and qpos is None:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
-        # Query i sits at position seq_len - q_len + i and sees keys 0..that position.
-        qpos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        # Query i sits at position qpos[i] (by default seq_len - q_len + i) and sees keys 0..that position.
+        if qpos is None:
+            qpos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return o[0].transpose(0, 1)

@@ -111,6 +111,7 @@ if triton is not None:
 @register_backend
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_query_positions = False  # its kernel takes each request's queries as the last of the context
 
     def __init__(self) -> None:
         if triton is None:
@@ -145,6 +146,8 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
                 v_scale: float = 1.0):
         self._check_device(q)
+        if meta.query_positions is not None:
+            raise NotImplementedError("the triton attention backend has no query_positions (blending)")
         self.write(k_cache, meta.slot_mapping, k, k_scale)
         self.write(v_cache, meta.slot_mapping, v, v_scale)
         out = torch.empty_like(q)

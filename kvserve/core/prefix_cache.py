@@ -71,8 +71,7 @@ def compute_block_hashes(request: Request, num_blocks: int, block_size: int) -> 
     assert num_blocks * block_size <= request.num_tokens, "hashing a block that is not full"
     for i in range(len(hashes), num_blocks):
         parent = hashes[i - 1] if i > 0 else b""
-        hashes.append(hash_block_tokens(parent, block_tokens(request, i, block_size),
-                                        request.cache_salt))
+        hashes.append(hash_block_tokens(parent, block_tokens(request, i, block_size), request.block_salt(i)))
     return hashes
 
 
@@ -211,7 +210,7 @@ class HashPrefixCache(PrefixCache):
         out: list[int] = []
         parent_uid = _ROOT_UID
         for i in range(max_blocks):
-            e = self._lookup(hashes[i], parent_uid, block_tokens(request, i, bs), request.cache_salt)
+            e = self._lookup(hashes[i], parent_uid, block_tokens(request, i, bs), request.block_salt(i))
             if e is None:
                 break
             out.append(e.block_id)
@@ -229,7 +228,7 @@ class HashPrefixCache(PrefixCache):
         bs = self.block_size
         hashes = compute_block_hashes(request, num_full_blocks, bs)
         for i in range(done, num_full_blocks):
-            h, tokens, salt = hashes[i], block_tokens(request, i, bs), request.cache_salt
+            h, tokens, salt = hashes[i], block_tokens(request, i, bs), request.block_salt(i)
             existing = self._by_hash.get(h)
             if existing is not None:
                 if self._lookup(h, parent_uid, tokens, salt) is None:

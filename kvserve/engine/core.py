@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from kvserve.config import CacheConfig, EngineConfig, KVEventsConfig, TierConfig
+from kvserve.blend.chunks import blend_spec, check_blend_spec
+from kvserve.config import CacheConfig, EngineConfig, KVEventsConfig, TierConfig, resolve_attention_backend
 from kvserve.core.kv_connector import MultiConnector
 from kvserve.core.kv_events import KVEventPublisher, KVEventSink
 from kvserve.core.kv_manager import KVCacheManager
@@ -95,7 +96,8 @@ class EngineCore:
         # they do (clearing and saving the tiers).
         self.tiers = self._tiers(config.tiers) if config.tiers.enabled else None
         self.transfer = self._kv_transfer(config) if config.kv_transfer.enabled else None
-        parts = [c for c in (self.tiers, self.transfer) if c is not None]
+        self.blend = self._blend(config) if config.blend.enabled else None
+        parts = [c for c in (self.tiers, self.transfer, self.blend) if c is not None]
         self.connector = (parts[0] if len(parts) == 1 else MultiConnector(parts)) if parts else None
         if self.tiers is not None:  # evicted blocks go down to the tiers (through every connector)
             self.kv.attach_connector(self.connector)
@@ -163,6 +165,20 @@ class EngineCore:
                      "block_shape": list(self.executor.kv_block_shape), "fingerprint": self.model_fingerprint.hex()}
         return PDConnector(config.kv_transfer, handshake, self.cache_config.block_size)
 
+    def _blend(self, config: EngineConfig):
+        from kvserve.blend.connector import BlendConnector
+
+        if self.kv.cache is None or not self.kv.cache.supports_tiers:
+            raise ValueError("enable_blending finds chunks by chain hash: it needs prefix caching with "
+                             "--prefix-cache hash")
+        if config.parallel.world_size != 1:
+            raise ValueError("enable_blending runs on one rank: tensor_parallel_size and "
+                             "pipeline_parallel_size must be 1")
+        if resolve_attention_backend(config.model.attention_backend, config.device) == "triton":
+            raise ValueError("enable_blending needs the torch or cpu attention backend (triton has no "
+                             "query positions)")
+        return BlendConnector(config.blend, self.kv, self.tiers, _blend_sink(self.tokenizer))
+
     def _kv_events(self, cfg: KVEventsConfig) -> KVEventPublisher:
         """Publish the blocks of the prefix cache and of every tier for routers."""
         sink = KVEventSink()
@@ -192,6 +208,7 @@ class EngineCore:
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params, priority, cache_salt)
         arrival = arrival_time if arrival_time is not None else time.time()
+        spec = blend_spec(params)
         children = []
         for i in range(params.n):
             p = params
@@ -201,6 +218,8 @@ class EngineCore:
                                         prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             child = Request(cid, prompt_token_ids, p, self.eos_token_id, arrival, priority, cache_salt, max_tokens)
+            if spec is not None:  # the blocks from the first chunk's on may hold reused K/V
+                child.approx_from_block = spec["chunks"][0][0] // self.kv.block_size
             if i > 0:
                 child.leader_id = children[0].request_id
             children.append(child)
@@ -227,6 +246,7 @@ class EngineCore:
             raise ValueError("cache_salt must be a string")
         check_transfer_params(transfer_params(params), self.config.kv_transfer, params.n)
         n_prompt = len(ids)
+        check_blend_spec(blend_spec(params), self.config.blend, n_prompt, self.hf_config.num_hidden_layers)
         if n_prompt >= self.max_model_len:
             raise ValueError(f"prompt is {n_prompt} tokens, which leaves no room to generate within "
                              f"max_model_len={self.max_model_len}")
@@ -354,3 +374,8 @@ class EngineCore:
             self.kv_events.close()
             self.kv_events = None
         self.executor.shutdown()
+
+
+def _blend_sink(tokenizer) -> int | None:
+    """The token blended chunks are computed after: the model's BOS (None without one)."""
+    return getattr(tokenizer, "bos_token_id", None)

@@ -30,7 +30,7 @@ from typing import Any, Literal, TypedDict
 import msgpack
 import zmq
 
-from kvserve.config import EngineConfig
+from kvserve.config import BlendConfig, EngineConfig
 from kvserve.fast_exit import exit_process
 from kvserve.outputs import Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -92,6 +92,9 @@ class ModelInfo:
     # The model's sampling defaults for requests that omit a field (--generation-config), e.g.
     # {"temperature": 0.6}; models/generation_config.py reads them
     generation_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # With --enable-blending: the BlendConfig's fields and num_layers, what the server marks and checks
+    # chunks by; None: off
+    blend: dict[str, Any] | None = None
 
 
 # One logprob position on the wire: [[token_id, logprob, rank, decoded_token], ...],
@@ -434,12 +437,17 @@ def kv_events_info(engine) -> dict[str, Any] | None:
             "model_fingerprint": pub.header["model_fingerprint"], "hash_scheme": pub.header["hash_scheme"]}
 
 
+def blend_info(cfg: BlendConfig, num_layers: int) -> dict[str, Any] | None:
+    return {**asdict(cfg), "num_layers": num_layers} if cfg.enabled else None
+
+
 def ready_message(engine, config: EngineConfig) -> dict[str, Any]:
     info = ModelInfo(model=config.model.model, model_path=str(engine.model_path),
                      max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
                      block_size=engine.kv.block_size, num_kv_blocks=engine.kv.num_blocks,
                      eos_token_id=engine.eos_token_id, pid=os.getpid(), kv_events=kv_events_info(engine),
-                     generation_defaults=engine.generation_defaults)
+                     generation_defaults=engine.generation_defaults,
+                     blend=blend_info(config.blend, engine.hf_config.num_hidden_layers))
     return {"type": READY, **asdict(info)}
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from kvserve.blend.chunks import make_spec
 from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.inputs import PROMPT_KEYS, UNSUPPORTED_PROMPT_KEYS, PromptType, TextPrompt, TokensPrompt
@@ -78,6 +79,8 @@ class LLM:
         encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
         if sampling_params is None:
             params = [self._fit_default(p, toks) for p, (_, toks, _) in zip(params, encoded)]
+        if self.engine.config.blend.enabled:
+            params = [self._blend_params(p, text, toks, i) for i, (p, (text, toks, _)) in enumerate(zip(params, encoded))]
         self._validate_all(encoded, params, prios)
         ids = []
         for (text, toks, salt), p, prio in zip(encoded, params, prios):
@@ -92,13 +95,19 @@ class LLM:
         one output per conversation, in order."""
         convs = _conversations(messages)
         single = isinstance(messages[0], dict)
-        token_lists = []
+        prompts: list[Any] = []
         for i, conv in enumerate(convs):
             try:
-                token_lists.append(self.apply_chat_template(conv, add_generation_prompt, chat_template))
+                ids = self.apply_chat_template(conv, add_generation_prompt, chat_template)
+                if self.engine.config.blend.enabled:  # chunks are found in the rendered text
+                    text = self.engine.tokenizer.apply_chat_template(
+                        conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tokenize=False)
+                    prompts.append(TokensPrompt(prompt=text, prompt_token_ids=ids))
+                else:
+                    prompts.append(ids)
             except ValueError as e:
                 raise ValueError(str(e) if single else f"messages[{i}]: {e}") from None
-        return self.generate(token_lists, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
                             chat_template: str | None = None) -> list[int]:
@@ -199,6 +208,20 @@ class LLM:
         if text is None:
             raise ValueError(f"prompts[{index}]: a prompt dict needs 'prompt' or 'prompt_token_ids'")
         return text, self._tokenize(text, index), salt
+
+    def _blend_params(self, params: SamplingParams, text: str | None, toks: list[int], index: int) -> SamplingParams:
+        """With blending on: the chunks of a text prompt (its separators, or the texts listed in
+        extra_args["blend"]["chunks"]) as the token spans the engine takes."""
+        extra = dict(params.extra_args or {})
+        try:
+            spec = make_spec(self.engine.tokenizer, text, toks, self.engine.config.blend.separator, extra.get("blend"))
+        except ValueError as e:
+            raise ValueError(f"prompts[{index}]: {e}") from None
+        if spec is None:
+            extra.pop("blend", None)
+        else:
+            extra["blend"] = spec
+        return dataclasses.replace(params, extra_args=extra or None)
 
     def _validate_all(self, encoded: list[_Encoded], params, prios) -> None:
         for i, ((_, toks, salt), p, prio) in enumerate(zip(encoded, params, prios)):

@@ -125,18 +125,23 @@ class LlamaModel(nn.Module):
                                           rope_parameters_of(config))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata, intermediate: IntermediateTensors | None = None
-                ) -> torch.Tensor | IntermediateTensors:
+                meta: AttentionMetadata, intermediate: IntermediateTensors | None = None,
+                layers: tuple[int, int] | None = None) -> torch.Tensor | IntermediateTensors:
+        """layers: run only layers [a, b) of this stage, from `intermediate` unless a is the model's
+        first; the hidden states after b come back as IntermediateTensors unless b ends the model."""
         if len(kv_caches) != self.end - self.start:
             raise ValueError(f"expected {self.end - self.start} kv caches (one per layer), got {len(kv_caches)}")
-        if self.pp.is_first:
+        first, last = layers or (self.start, self.end)
+        if not self.start <= first < last <= self.end:
+            raise ValueError(f"layers [{first}, {last}) are not within this stage's [{self.start}, {self.end})")
+        if first == 0:
             h, residual = self.embed_tokens(input_ids), None
         else:
             h, residual = intermediate.hidden, intermediate.residual
         cos, sin = self.rotary_emb(positions)
-        for layer, kv_cache in zip(self.layers[self.start:self.end], kv_caches):
-            h, residual = layer(h, residual, cos, sin, kv_cache, meta)
-        if not self.pp.is_last:
+        for i in range(first, last):
+            h, residual = self.layers[i](h, residual, cos, sin, kv_caches[i - self.start], meta)
+        if last < self.end or not self.pp.is_last:
             return IntermediateTensors(h, residual)
         h, _ = self.norm(h, residual)
         return h
@@ -168,11 +173,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                attn_metadata: AttentionMetadata, intermediate: IntermediateTensors | None = None
-                ) -> torch.Tensor | IntermediateTensors:
+                attn_metadata: AttentionMetadata, intermediate: IntermediateTensors | None = None,
+                layers: tuple[int, int] | None = None) -> torch.Tensor | IntermediateTensors:
         """input_ids, positions: [T] int64 (flat batch). Returns final-norm hidden states [T, hidden]
-        (on a pipeline stage before the last: what the next stage takes as `intermediate`)."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate)
+        (on a pipeline stage before the last: what the next stage takes as `intermediate`).
+        layers: only these [a, b) (LlamaModel.forward)."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate, layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32 (the last pipeline stage only)."""

@@ -45,6 +45,7 @@ class _EngineCollector(Collector):
             yield kind(f"{PREFIX}{name}", doc, value=s[stat])
         yield from _tier_metrics(s)
         yield from _transfer_metrics(s)
+        yield from _blend_metrics(s)
 
 
 _ENGINE_METRICS = (  # (EngineCore.stats() key, metric name, kind, help)
@@ -98,6 +99,22 @@ def _transfer_metrics(s: dict[str, float | int]) -> Iterator[Metric]:
                                   value=s["kv_transfer_bytes_sent"])
         yield GaugeMetricFamily(f"{PREFIX}kv_transfer_pending", "Finished prompts whose K/V wait to be fetched.",
                                 value=s["kv_transfer_pending"])
+
+
+_BLEND_METRICS = (  # (stat, metric name, help)
+    ("blend_requests", "blend_requests", "Requests whose chunks were blended (reused K/V out of prefix order)."),
+    ("blend_blended_tokens", "blend_blended_tokens", "Prompt tokens that kept K/V reused from a cached chunk."),
+    ("blend_recomputed_tokens", "blend_recomputed_tokens", "Prompt tokens of blended spans recomputed in full."),
+    ("blend_fallbacks", "blend_fallbacks", "Blends the quality guard turned into a full recompute."),
+    ("blend_warmup_tokens", "blend_warmup_tokens", "Chunk tokens computed on their own to be cached for reuse."),
+)
+
+
+def _blend_metrics(s: dict[str, float | int]) -> Iterator[Metric]:
+    """Non-prefix chunk reuse (--enable-blending), from the blend connector's stats."""
+    for stat, name, doc in _BLEND_METRICS:
+        if stat in s:
+            yield CounterMetricFamily(f"{PREFIX}{name}", doc, value=s[stat])
 
 
 class ServerMetrics:

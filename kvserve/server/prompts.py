@@ -55,7 +55,7 @@ _RESERVED_TEMPLATE_VARS = frozenset({
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], max_chars: int | None = None, *,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
                     add_special_tokens: bool = False,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    chat_template_kwargs: dict[str, Any] | None = None, as_text: bool = False) -> Any:
     """Token ids of a chat: the model's chat template over the messages, with the generation
     prompt. Messages are dicts with "role" and "content" (str, text parts, or None); their
     text together may have at most `max_chars` characters (max_prompt_chars).
@@ -64,7 +64,8 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], max_chars: i
     takes vLLM's other options, with apply_chat_template's meaning: `continue_final_message`
     leaves the last message open for the model to go on with (instead of the generation prompt;
     not both), `add_special_tokens` has the tokenizer add its own (BOS...) to the rendered text,
-    `chat_template_kwargs` are extra variables for the template (e.g. enable_thinking)."""
+    `chat_template_kwargs` are extra variables for the template (e.g. enable_thinking).
+    `as_text`: the rendered text instead of its tokens."""
     if add_generation_prompt and continue_final_message:
         raise PromptError("add_generation_prompt and continue_final_message cannot both be true: the first "
                           "starts a new assistant message, the second continues the last one", "continue_final_message")
@@ -86,6 +87,9 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], max_chars: i
     if not getattr(tokenizer, "chat_template", None):
         raise PromptError("the model has no chat template; use /v1/completions", "messages")
     try:
+        if as_text:
+            return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                                 **extra)
         if add_special_tokens:  # vLLM: render the text, then tokenize it as a prompt is
             text = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=False,
                                                  **extra)

@@ -23,6 +23,15 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class BlendOptions(_Strict):
+    """A request's `blend`: chunks (texts that occur in the prompt, in order) whose K/V are reused
+    wherever they appear; without them, the server's --blend-separator marks the chunks."""
+
+    chunks: list[str] | None = None
+    recompute_ratio: float | None = None
+    check_layer: int | None = None
+
+
 class _SamplingFields(_Strict):
     model: str | None = None
     n: int = 1
@@ -45,6 +54,8 @@ class _SamplingFields(_Strict):
     # Prefill/decode disaggregation (vLLM's field): {"do_remote_decode": true} to a prefill engine;
     # to a decode engine, the object the prefill engine's response returned
     kv_transfer_params: dict[str, Any] | None = None
+    # Non-prefix chunk reuse (a server started with --enable-blending): the chunks, and the knobs
+    blend: BlendOptions | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -109,6 +120,10 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
     # kvserve extension: cached_tokens split by the tier the K/V came from (device, cpu, disk, remote)
     cached_tokens_by_tier: dict[str, int] = Field(default_factory=dict)
+    # kvserve extension (--enable-blending): prompt tokens that kept K/V reused from a chunk cached
+    # elsewhere in another prompt, and those of the blended spans recomputed; not in cached_tokens
+    blended_tokens: int = 0
+    recomputed_tokens: int = 0
 
 
 class Usage(BaseModel):

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.blend.chunks import BLENDED, RECOMPUTED, check_blend_spec, make_spec
+from kvserve.config import BlendConfig
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, KVLoadError
 from kvserve.engine.engine_proc import CompletionDelta, RequestDelta
 from kvserve.sampling_params import SamplingParams
@@ -115,7 +118,9 @@ class Accum:
         for split in self.cached_by_tier.values():
             for tier, n in split.items():
                 by_tier[tier] = by_tier.get(tier, 0) + n
-        details = P.PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values()), cached_tokens_by_tier=by_tier)
+        blended, recomputed = by_tier.pop(BLENDED, 0), by_tier.pop(RECOMPUTED, 0)
+        details = P.PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values()), cached_tokens_by_tier=by_tier,
+                                        blended_tokens=blended, recomputed_tokens=recomputed)
         return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                        prompt_tokens_details=details)
 
@@ -182,6 +187,36 @@ class Serving:
         except PromptError as e:
             raise APIError(400, e.message, param=e.param) from None
 
+    def blend_params(self, params: SamplingParams, prompts: list[list[int]], texts: list[str | None],
+                     options: P.BlendOptions | None, field_name: str) -> list[SamplingParams]:
+        """Each prompt's SamplingParams: with blending on, its chunks (the request's `blend.chunks`,
+        or the separators in its text) as the token spans the engine takes."""
+        blend = self.info.blend
+        if blend is None:
+            if options is not None:
+                raise APIError(400, "blend needs a server started with --enable-blending", param="blend")
+            return [params] * len(prompts)
+        opts = options.model_dump(exclude_none=True) if options is not None else None
+        cfg = BlendConfig(**{k: v for k, v in blend.items() if k != "num_layers"})
+        out = []
+        for toks, text in zip(prompts, texts):
+            try:
+                spec = make_spec(self.tokenizer, text, toks, cfg.separator, opts, field_name)
+                check_blend_spec(spec, cfg, len(toks), blend["num_layers"])
+            except ValueError as e:
+                raise APIError(400, str(e), param="blend" if str(e).startswith("blend") else field_name) from None
+            out.append(params if spec is None else
+                       dataclasses.replace(params, extra_args={**(params.extra_args or {}), "blend": spec}))
+        return out
+
+    def chat_text(self, messages: list[P.ChatMessage]) -> str:
+        """The chat prompt as text (what chat_ids tokenizes), where blending finds its chunks."""
+        try:
+            return chat_prompt_ids(self.tokenizer, [m.model_dump() for m in messages], self.max_prompt_chars,
+                                   as_text=True)
+        except PromptError as e:
+            raise APIError(400, e.message, param=e.param) from None
+
     def check_prompt(self, toks: list[int], params: SamplingParams, field_name: str) -> None:
         """The engine's own checks (EngineCore.validate), made before anything is sent to it."""
         info = self.info
@@ -202,7 +237,8 @@ class Serving:
 
     # ---- engine streams -------------------------------------------------------
 
-    async def start(self, prompts: list[list[int]], params: SamplingParams, cache_salt: str | None) -> Deltas:
+    async def start(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                    cache_salt: str | None) -> Deltas:
         """Admit the request (503 when over --max-waiting) and return its merged engine stream.
 
         Admission happens here, in the handler, before any response starts: the count
@@ -214,20 +250,21 @@ class Serving:
         await anext(gen)  # runs the admission check; raises APIError(503) if refused
         return gen
 
-    async def _merged(self, prompts: list[list[int]], params: SamplingParams, cache_salt: str | None
-                      ) -> AsyncIterator[Any]:
+    async def _merged(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                      cache_salt: str | None) -> AsyncIterator[Any]:
         """Yields None once admitted, then (prompt index, delta) as they come; closing aborts all."""
         waiting = self.metrics.num_waiting_first_token
         if waiting + len(prompts) > self.max_waiting:
             raise APIError(503, f"server overloaded: {waiting} requests are waiting for their first token "
                            f"(--max-waiting {self.max_waiting}); retry later", "service_unavailable",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
-        trackers = [self.metrics.track(params.n) for _ in prompts]
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)  # one per prompt
+        trackers = [self.metrics.track(p.n) for p in per_prompt]
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, toks: list[int]) -> None:
             try:
-                gen = self.engine.generate(toks, params, cache_salt=cache_salt)
+                gen = self.engine.generate(toks, per_prompt[i], cache_salt=cache_salt)
                 async with contextlib.aclosing(gen) as it:
                     async for d in it:
                         trackers[i].on_delta(d)

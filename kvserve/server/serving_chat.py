@@ -21,7 +21,9 @@ class ChatServing(Serving):
         params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                       longest_prompt=len(toks))
         self.check_prompt(toks, params, "messages")
-        deltas = await self.start([toks], params, req.cache_salt)
+        text = self.chat_text(req.messages) if self.info.blend is not None else None
+        per_prompt = self.blend_params(params, [toks], [text], req.blend, "messages")
+        deltas = await self.start([toks], per_prompt, req.cache_salt)
         acc, rid, k = Accum(req.n), P.new_id("chatcmpl"), req.top_logprobs or 0
         if req.stream:
             started: set[int] = set()

@@ -32,7 +32,8 @@ class CompletionServing(Serving):
         params = self.sampling_params(req, max_tokens, req.logprobs, prompt_lps, max(map(len, prompts)))
         for p in prompts:
             self.check_prompt(p, params, "prompt")
-        deltas = await self.start(prompts, params, req.cache_salt)
+        per_prompt = self.blend_params(params, prompts, texts, req.blend, "prompt")
+        deltas = await self.start(prompts, per_prompt, req.cache_salt)
         if score_only:
             deltas = _drop_generated(deltas)
         acc, rid = Accum(req.n), P.new_id("cmpl")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import torch
 
@@ -99,3 +100,8 @@ class Worker:
 
     def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         self.runner.write_kv_blocks(block_ids, data)
+
+    def blend(self, meta: Any) -> Any:
+        from kvserve.blend.forward import run_blend
+
+        return run_blend(self.runner, meta)

@@ -1,0 +1,189 @@
+"""The worker half of blending: warm-ups, re-rotation, the check layer and selective recompute.
+
+For one span [start, end) of a request (connector.py's BlendPlan):
+
+1. The chunks' K/V (computed at positions 0.. on their own) are copied into the request's blocks,
+   every layer, K re-rotated by the chunk's offset: RoPE at position o + j is RoPE at j followed by
+   a rotation by o, so this is exact up to rounding.
+2. Every token of the span runs through layers 0..check_layer, writing fresh K/V there.
+3. At the check layer each reused token's fresh K/V are compared with the reused copy; the tokens
+   whose V moved most are picked, with every token no chunk supplied (separators, chunk tails,
+   text between chunks) and the forced ones (chunks' first tokens), up to the recompute ratio. When
+   the mean relative K/V deviation exceeds max_deviation (the quality guard) every token is picked.
+4. The picked tokens continue through the remaining layers from their check-layer hidden states,
+   each attending to the keys up to its own position; the others keep the reused K/V there.
+
+A recompute ratio of 0 skips 2-3 (naive reuse): only the tokens no chunk supplied are computed.
+At ratio 1 the result is a plain prefill's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention import FP8, AttentionMetadata
+from kvserve.attention.backend import quantize_fp8
+from kvserve.blend.connector import BlendPlan, BlendResult, BlendStepMeta, Warmup, num_to_recompute
+from kvserve.distributed.parallel import IntermediateTensors
+from kvserve.layers.rotary import apply_rotary, compute_inv_freq
+
+
+@torch.inference_mode()
+def run_blend(runner, meta: BlendStepMeta) -> dict[str, BlendResult]:
+    """Carry out a step's blending on `runner` (a ModelRunner holding the whole model: one rank)."""
+    if not runner.attention_backend.supports_query_positions:
+        raise RuntimeError(f"blending needs an attention backend with query_positions; "
+                           f"{runner.attention_backend.name} has none")
+    if meta.warmups:
+        _warm(runner, meta.warmups)
+    return {p.request_id: _blend(runner, p) for p in meta.plans}
+
+
+def _slots(block_ids: list[int], positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    table = torch.tensor(block_ids, dtype=torch.int64)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def _prefill_meta(runner, block_tables: list[list[int]], query_lens: list[int], seq_lens: list[int],
+                  slots: torch.Tensor, query_positions: torch.Tensor | None = None) -> AttentionMetadata:
+    width = max(len(t) for t in block_tables)
+    table = torch.zeros((len(block_tables), width), dtype=torch.int64)
+    for i, t in enumerate(block_tables):
+        table[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
+    qsl = [0]
+    for n in query_lens:
+        qsl.append(qsl[-1] + n)
+    dev = runner.device
+    return AttentionMetadata(
+        num_decodes=0, query_start_loc=qsl, seq_lens=list(seq_lens), slot_mapping=slots.to(dev),
+        block_tables=table.to(dev), seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+        block_size=runner.block_size,
+        query_positions=None if query_positions is None else query_positions.to(dev))
+
+
+def _warm(runner, warmups: list[Warmup]) -> None:
+    """Chunks computed on their own (positions from 0), as one batch of prefills."""
+    bs = runner.block_size
+    ids, pos, slots = [], [], []
+    for w in warmups:
+        p = torch.arange(w.start, len(w.token_ids))
+        ids.extend(w.token_ids[w.start:])
+        pos.append(p)
+        slots.append(_slots(w.block_ids, p, bs))
+    meta = _prefill_meta(runner, [w.block_ids for w in warmups], [len(w.token_ids) - w.start for w in warmups],
+                         [len(w.token_ids) for w in warmups], torch.cat(slots))
+    runner.model(torch.tensor(ids, device=runner.device), torch.cat(pos).to(runner.device), runner.kv_caches, meta)
+
+
+def _rows(cache: torch.Tensor) -> torch.Tensor:
+    return cache.view(-1, *cache.shape[2:])
+
+
+def _read(cache: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """Rows of the cache at these slots as float32 [n, H, D]."""
+    rows = _rows(cache)
+    if cache.dtype == FP8:
+        return rows.view(torch.uint8)[slots].view(FP8).float() * scale
+    return rows[slots].float()
+
+
+def _write(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float) -> None:
+    rows = _rows(cache)
+    if cache.dtype == FP8:
+        rows.view(torch.uint8).index_copy_(0, slots, quantize_fp8(x, scale).view(torch.uint8))
+    else:
+        rows.index_copy_(0, slots, x.to(cache.dtype))
+
+
+def _scales(runner, layer: int) -> tuple[float, float]:
+    if runner.kv_scales is None:
+        return 1.0, 1.0
+    k, v = runner.kv_scales[layer].tolist()
+    return k, v
+
+
+def _rotation(runner, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [n, 1, D/2] (float32) rotating K by each token's offset (no RoPE scaling factor: the
+    reused K carries it already)."""
+    rot = runner.model.model.rotary_emb
+    inv_freq, _ = compute_inv_freq(rot.head_dim, rot.params, rot.max_position)
+    angles = offsets.double()[:, None] * inv_freq.double()[None, :]
+    return angles.cos().float()[:, None], angles.sin().float()[:, None]
+
+
+def _copy_chunks(runner, plan: BlendPlan, dst_slots: torch.Tensor) -> torch.Tensor:
+    """Write every source's K/V into the span's slots (K re-rotated); returns which of the span's
+    tokens were supplied [n] bool."""
+    bs, dev = runner.block_size, runner.device
+    reused = torch.zeros(plan.end - plan.start, dtype=torch.bool)
+    src, dst, off = [], [], []
+    for s in plan.sources:
+        p = torch.arange(s.start, s.end)
+        src.append(_slots(s.block_ids, p - s.offset, bs))
+        dst.append(dst_slots[p - plan.start])
+        off.append(torch.full((s.end - s.start,), s.offset, dtype=torch.int64))
+        reused[s.start - plan.start:s.end - plan.start] = True
+    if not src:
+        return reused
+    src_t, dst_t = torch.cat(src).to(dev), torch.cat(dst).to(dev)
+    cos, sin = (x.to(dev) for x in _rotation(runner, torch.cat(off)))
+    for layer, (k_cache, v_cache) in enumerate(runner.kv_caches):
+        k_scale, v_scale = _scales(runner, layer)
+        k = _read(k_cache, src_t, k_scale)
+        _write(k_cache, dst_t, apply_rotary(k, cos, sin), k_scale)
+        v_rows = _rows(v_cache).view(torch.uint8) if v_cache.dtype == FP8 else _rows(v_cache)
+        v_rows.index_copy_(0, dst_t, v_rows[src_t])
+    return reused
+
+
+def _blend(runner, plan: BlendPlan) -> BlendResult:
+    bs, dev = runner.block_size, runner.device
+    n = plan.end - plan.start
+    positions = torch.arange(plan.start, plan.end)
+    slots = _slots(plan.block_ids, positions, bs)
+    reused = _copy_chunks(runner, plan, slots)
+    for a, b in plan.forced:
+        reused[max(a, plan.start) - plan.start:max(min(b, plan.end) - plan.start, 0)] = False
+    ids = torch.tensor(plan.token_ids[plan.start:plan.end], dtype=torch.int64)
+    num_layers = len(runner.kv_caches)
+    check = min(plan.check_layer, num_layers - 1)
+    want = num_to_recompute(plan.recompute_ratio, n)
+    deviation, fallback = None, False
+    if plan.recompute_ratio == 0 or not reused.any():
+        picked = ~reused  # nothing to check: the tokens no chunk supplied run through every layer
+        hidden, first = None, 0
+    else:
+        k_scale, v_scale = _scales(runner, check)
+        kc, vc = runner.kv_caches[check]
+        slots_d = slots.to(dev)
+        old_k, old_v = _read(kc, slots_d, k_scale), _read(vc, slots_d, v_scale)
+        meta = _prefill_meta(runner, [plan.block_ids], [n], [plan.end], slots)
+        hidden = runner.model(ids.to(dev), positions.to(dev), runner.kv_caches, meta, layers=(0, check + 1))
+        new_k, new_v = _read(kc, slots_d, k_scale), _read(vc, slots_d, v_scale)
+        diff = ((new_k - old_k) ** 2).sum(dim=(1, 2)) + ((new_v - old_v) ** 2).sum(dim=(1, 2))
+        norm = (new_k ** 2).sum(dim=(1, 2)) + (new_v ** 2).sum(dim=(1, 2))
+        rel = (diff / norm.clamp_min(1e-12)).cpu()
+        deviation = float(rel[reused].mean())
+        picked = ~reused
+        if deviation > plan.max_deviation:
+            picked[:] = True
+            fallback = True
+        else:
+            extra = want - int(picked.sum())
+            if extra > 0:
+                # Ranked by how far V moved: measured on ShareGPT RAG prompts (BENCHMARKS.md) it beats
+                # K, K + V, and relative K + V deviation at the same ratio.
+                score = ((new_v - old_v) ** 2).sum(dim=(1, 2)).cpu().masked_fill(~reused, float("-inf"))
+                picked[torch.topk(score, extra).indices] = True
+        first = check + 1
+    sel = picked.nonzero().flatten()
+    if len(sel) and first < num_layers:
+        meta = _prefill_meta(runner, [plan.block_ids], [len(sel)], [plan.end], slots[sel], positions[sel])
+        inter = None
+        if hidden is not None:
+            rows = sel.to(dev)
+            inter = IntermediateTensors(hidden.hidden[rows], hidden.residual[rows])
+        runner.model(ids[sel].to(dev), positions[sel].to(dev), runner.kv_caches, meta, inter,
+                     layers=(first, num_layers))
+    recomputed = n if hidden is not None and fallback else int(picked.sum())
+    return BlendResult(blended=n - recomputed, recomputed=recomputed, deviation=deviation, fallback=fallback)
