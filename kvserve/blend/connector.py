@@ -3,7 +3,9 @@ connector (core/kv_connector.py).
 
 A chunk's K/V are computed on their own, as a prompt made of the chunk alone, and cached like any
 prompt: full blocks in the device prefix cache under the chunk's chain hash, from where they go
-down to the KV tiers and come back like any block. So a chunk cached once is found again by its
+down to the KV tiers and come back like any block. (Computed after the model's BOS instead, as a
+sink for the attention a model puts on a prompt's first token, naive reuse got better but blending
+at the default ratio worse: BENCHMARKS.md.) So a chunk cached once is found again by its
 content, in any prompt, at any position.
 
 The scheduler half offers a blended request's blocks from where its device (and tier) hits end
@@ -42,20 +44,14 @@ BLEND_ORIGIN = "blend"
 
 @dataclass
 class ChunkSource:
-    """Prompt tokens [start, end) of a request take the K/V of a chunk computed on its own, whose
-    first token sits at prompt position `chunk_start`: prompt position p is position
-    p - chunk_start + lead of `block_ids` (lead: the sink token computed before the chunk)."""
+    """Prompt tokens [start, end) of a request take the K/V of a chunk computed on its own (from
+    position 0), whose first token sits at prompt position `offset`: prompt position p is chunk
+    position p - offset of `block_ids`, and its K are rotated by `offset`."""
 
     start: int
     end: int
-    chunk_start: int
+    offset: int
     block_ids: list[int]
-    lead: int = 0
-
-    @property
-    def offset(self) -> int:
-        """How far the chunk's K moved: the rotation they take."""
-        return self.chunk_start - self.lead
 
 
 @dataclass
@@ -103,13 +99,8 @@ class BlendResult:
 
 
 class BlendConnector(KVConnector, KVConnectorWorker):
-    def __init__(self, cfg: BlendConfig, kv: Any, tiers: KVConnector | None = None,
-                 sink_token: int | None = None) -> None:
+    def __init__(self, cfg: BlendConfig, kv: Any, tiers: KVConnector | None = None) -> None:
         self.cfg = cfg
-        # Chunks are computed after this one token (the model's BOS), as every prompt's first token
-        # is: their tokens put the attention a model sinks into its first token there, as they
-        # do in a prompt, instead of on the chunk's own first token.
-        self.sink = [sink_token] if sink_token is not None else []
         self.kv = kv  # the KVCacheManager: chunks are looked up, held and allocated in its pool
         self.tiers = tiers  # where chunks evicted from the device are found again
         self.block_size = kv.block_size
@@ -156,10 +147,9 @@ class BlendConnector(KVConnector, KVConnectorWorker):
             if skip:
                 forced.append((a, min(b, a + skip)))
             blocks = self._hold_chunk(request, request.prompt_token_ids[a:b])
-            lead = len(self.sink)
-            lo, hi = max(a, start), min(b, end, a + len(blocks) * bs - lead)
+            lo, hi = max(a, start), min(b, end, a + len(blocks) * bs)
             if lo < hi:
-                sources.append(ChunkSource(lo, hi, a, blocks, lead))
+                sources.append(ChunkSource(lo, hi, a, blocks))
         ratio = spec.get("recompute_ratio")
         layer = spec.get("check_layer")
         self._step.plans.append(BlendPlan(
@@ -169,12 +159,10 @@ class BlendConnector(KVConnector, KVConnectorWorker):
         self._requests[request.request_id] = request
 
     def _hold_chunk(self, request: Request, tokens: list[int]) -> list[int]:
-        """The device blocks holding the chunk's K/V computed on its own (its full blocks, after the
-        sink token), held
+        """The device blocks holding the chunk's K/V computed on its own (its full blocks), held
         until the step's forward is done: found in the prefix cache, brought back from the tiers,
         or allocated and computed first (a warm-up). [] when the pool has no room for them."""
         bs = self.block_size
-        tokens = self.sink + tokens
         n = len(tokens) // bs
         if n == 0:
             return []

@@ -177,7 +177,7 @@ class EngineCore:
         if resolve_attention_backend(config.model.attention_backend, config.device) == "triton":
             raise ValueError("enable_blending needs the torch or cpu attention backend (triton has no "
                              "query positions)")
-        return BlendConnector(config.blend, self.kv, self.tiers, _blend_sink(self.tokenizer))
+        return BlendConnector(config.blend, self.kv, self.tiers)
 
     def _kv_events(self, cfg: KVEventsConfig) -> KVEventPublisher:
         """Publish the blocks of the prefix cache and of every tier for routers."""
@@ -374,8 +374,3 @@ class EngineCore:
             self.kv_events.close()
             self.kv_events = None
         self.executor.shutdown()
-
-
-def _blend_sink(tokenizer) -> int | None:
-    """The token blended chunks are computed after: the model's BOS (None without one)."""
-    return getattr(tokenizer, "bos_token_id", None)
