@@ -28,8 +28,7 @@ class AttentionMetadata:
     block_size: int
     # [T] int64, the position of each query token, where a prefill request's query tokens are not
     # the last ones of its context (a blend's recomputed tokens, blend/): each sees the keys up to its
-    # own position. None: they are the last ones. Backends that cannot do it set supports_query_positions
-    # False.
+    # own position. None: they are the last ones. The triton backend refuses it.
     query_positions: torch.Tensor | None = None
 
     @property
@@ -66,7 +65,6 @@ class AttentionBackend(ABC):
     """
 
     name: str = ""
-    supports_query_positions: bool = True  # AttentionMetadata.query_positions
 
     @abstractmethod
     def forward(

@@ -111,7 +111,6 @@ if triton is not None:
 @register_backend
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
-    supports_query_positions = False  # its kernel takes each request's queries as the last of the context
 
     def __init__(self) -> None:
         if triton is None:

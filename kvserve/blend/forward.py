@@ -31,9 +31,6 @@ from kvserve.layers.rotary import apply_rotary, compute_inv_freq
 @torch.inference_mode()
 def run_blend(runner, meta: BlendStepMeta) -> dict[str, BlendResult]:
     """Carry out a step's blending on `runner` (a ModelRunner holding the whole model: one rank)."""
-    if not runner.attention_backend.supports_query_positions:
-        raise RuntimeError(f"blending needs an attention backend with query_positions; "
-                           f"{runner.attention_backend.name} has none")
     if meta.warmups:
         _warm(runner, meta.warmups)
     return {p.request_id: _blend(runner, p) for p in meta.plans}
@@ -185,5 +182,5 @@ def _blend(runner, plan: BlendPlan) -> BlendResult:
             inter = IntermediateTensors(hidden.hidden[rows], hidden.residual[rows])
         runner.model(ids[sel].to(dev), positions[sel].to(dev), runner.kv_caches, meta, inter,
                      layers=(first, num_layers))
-    recomputed = n if hidden is not None and fallback else int(picked.sum())
+    recomputed = int(picked.sum())
     return BlendResult(blended=n - recomputed, recomputed=recomputed, deviation=deviation, fallback=fallback)

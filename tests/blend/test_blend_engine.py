@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.attention import FP8
 from kvserve.blend.forward import _rotation
 from kvserve.layers.rotary import apply_rotary
 from kvserve.request import Request
@@ -189,10 +188,6 @@ def test_rerotation_matches_k_computed_at_the_new_position(arch, tmp_path):
     cos, sin = _rotation(llm.engine.executor.runner, torch.full((len(chunk),), offset))
     assert torch.allclose(apply_rotary(alone, cos, sin), placed, atol=1e-5)
     assert not torch.allclose(alone, placed, atol=1e-3)
-
-
-def test_fp8_dtype_constant():
-    assert FP8 == torch.float8_e4m3fn
 
 
 def test_chunks_come_back_from_the_kv_tiers(model):
