@@ -36,6 +36,7 @@ CONFIGS = {
     "default": ({}, {}),
     "int8-activations": ({}, {"KVSERVE_INT8_ACTIVATIONS": "1"}),
     "tuning-off": ({}, {"KVSERVE_KERNEL_TUNING": "off"}),
+    "no-decode-stack": ({}, {"KVSERVE_DECODE_STACK": "0"}),
     "none-f32": ({"quantization": "none", "dtype": "float32"}, {}),
     "none-bf16": ({"quantization": "none", "dtype": "bfloat16"}, {}),
     "int8-f32": ({"quantization": "int8", "dtype": "float32"}, {}),

@@ -21,7 +21,7 @@ from kvserve.worker.kernels import build, cpu
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = r"""
+SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -96,64 +96,67 @@ static inline void load_row(const void *base, int64_t idx, int64_t d, int kind, 
     }
 }
 
+/* Decode attention of one request's query heads that share kv heads [kh0, kh1): qf [hq * d]
+   (f32), its block table and length; writes those heads of out [hq * d]. Scores are q.k * scale
+   and the output is sum p v * v_scale, so an fp8 cache's per-layer scales cost nothing (fp8
+   callers multiply both by 2^8 first: fp8_row_to_f32_lo's 2^-8). Each position's K and V rows
+   of the kv heads are read once for all their query heads: heads that share cache lines are not
+   split. Scratch: row [(kh1 - kh0) * d], scores [(kh1 - kh0) * hq / hkv * len]. */
+static void attend_heads(const float *qf, const void *k_cache, const void *v_cache, const int64_t *table, int64_t len,
+                         int64_t hq, int64_t hkv, int64_t d, int64_t block_size, int kv_kind, float scale,
+                         float v_scale, int64_t kh0, int64_t kh1, float *out, float *row, float *scores) {
+    const int64_t g = hq / hkv, width = hkv * d, w = (kh1 - kh0) * d, nh = (kh1 - kh0) * g, j0 = kh0 * g;
+    for (int64_t t = 0; t < len; ++t) {
+        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        load_row(k_cache, slot * width + kh0 * d, w, kv_kind, row);
+        for (int64_t j = 0; j < nh; ++j) {
+            const float *qj = qf + (j0 + j) * d, *kj = row + (j / g) * d;
+            float s = 0.f;
+            #pragma omp simd reduction(+:s)
+            for (int64_t i = 0; i < d; ++i) s += qj[i] * kj[i];
+            scores[j * len + t] = s * scale;
+        }
+    }
+    for (int64_t j = 0; j < nh; ++j) {
+        float *sj = scores + j * len, m = -INFINITY, sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) m = sj[t] > m ? sj[t] : m;
+        #pragma omp simd reduction(+:sum)
+        for (int64_t t = 0; t < len; ++t) { sj[t] = expf(sj[t] - m); sum += sj[t]; }
+        const float inv = v_scale / sum;
+        #pragma omp simd
+        for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
+    }
+    memset(out + j0 * d, 0, sizeof(float) * nh * d);
+    for (int64_t t = 0; t < len; ++t) {
+        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        load_row(v_cache, slot * width + kh0 * d, w, kv_kind, row);
+        for (int64_t j = 0; j < nh; ++j) {
+            const float p = scores[j * len + t], *vj = row + (j / g) * d;
+            float *aj = out + (j0 + j) * d;
+            #pragma omp simd
+            for (int64_t i = 0; i < d; ++i) aj[i] += p * vj[i];
+        }
+    }
+}
+
 /* q, out: [B, Hq, D] (f32, or bf16 if q_bf16); caches: [num_blocks, block_size, Hkv, D] of kv_kind;
-   tables: [B, table_stride]. Scores are q.k * scale and the output is sum p v * v_scale, so an fp8
-   cache's per-layer scales cost nothing: k's is folded into scale, v's into the softmax norm.
-   One task per request, reading each position's K and V for all heads at once: a
-   position's heads share cache lines, so splitting heads across tasks would fetch
-   every line once per head. */
+   tables: [B, table_stride]. One task per request (attend_heads over all its heads). */
 void paged_decode(const void *q, const void *k_cache, const void *v_cache, void *out,
                   const int64_t *tables, int64_t table_stride, const int64_t *seq_lens,
                   int64_t num_reqs, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
                   int64_t max_len, float scale, float v_scale, int q_bf16, int kv_kind, int num_threads) {
-    const int64_t g = hq / hkv, width = hkv * d;
     if (kv_kind == ROW_FP8) { scale *= 256.f; v_scale *= 256.f; }  /* fp8_row_to_f32_lo's 2^-8 */
     #pragma omp parallel num_threads(num_threads)
     {
         float *qf = malloc(sizeof(float) * hq * d);
         float *acc = malloc(sizeof(float) * hq * d);
-        float *row = malloc(sizeof(float) * width);
+        float *row = malloc(sizeof(float) * hkv * d);
         float *scores = malloc(sizeof(float) * hq * max_len);
-        float *mx = malloc(sizeof(float) * hq);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < num_reqs; ++b) {
-            const int64_t len = seq_lens[b];
-            const int64_t *table = tables + b * table_stride;
             load_row(q, b * hq * d, hq * d, q_bf16 ? ROW_BF16 : ROW_F32, qf);
-            for (int64_t j = 0; j < hq; ++j) mx[j] = -INFINITY;
-            for (int64_t t = 0; t < len; ++t) {
-                const int64_t slot = table[t / block_size] * block_size + t % block_size;
-                load_row(k_cache, slot * width, width, kv_kind, row);
-                for (int64_t j = 0; j < hq; ++j) {
-                    const float *qj = qf + j * d, *kj = row + (j / g) * d;
-                    float s = 0.f;
-                    #pragma omp simd reduction(+:s)
-                    for (int64_t i = 0; i < d; ++i) s += qj[i] * kj[i];
-                    s *= scale;
-                    scores[j * max_len + t] = s;
-                    if (s > mx[j]) mx[j] = s;
-                }
-            }
-            for (int64_t j = 0; j < hq; ++j) {
-                float *sj = scores + j * max_len, sum = 0.f;
-                const float m = mx[j];
-                #pragma omp simd reduction(+:sum)
-                for (int64_t t = 0; t < len; ++t) { sj[t] = expf(sj[t] - m); sum += sj[t]; }
-                const float inv = v_scale / sum;
-                #pragma omp simd
-                for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
-            }
-            memset(acc, 0, sizeof(float) * hq * d);
-            for (int64_t t = 0; t < len; ++t) {
-                const int64_t slot = table[t / block_size] * block_size + t % block_size;
-                load_row(v_cache, slot * width, width, kv_kind, row);
-                for (int64_t j = 0; j < hq; ++j) {
-                    const float p = scores[j * max_len + t], *vj = row + (j / g) * d;
-                    float *aj = acc + j * d;
-                    #pragma omp simd
-                    for (int64_t i = 0; i < d; ++i) aj[i] += p * vj[i];
-                }
-            }
+            attend_heads(qf, k_cache, v_cache, tables + b * table_stride, seq_lens[b], hq, hkv, d, block_size,
+                         kv_kind, scale, v_scale, 0, hkv, acc, row, scores);
             if (q_bf16) {
                 uint16_t *dst = (uint16_t *)out + b * hq * d;
                 for (int64_t i = 0; i < hq * d; ++i) dst[i] = f32_to_bf16(acc[i]);
@@ -161,7 +164,7 @@ void paged_decode(const void *q, const void *k_cache, const void *v_cache, void 
                 memcpy((float *)out + b * hq * d, acc, sizeof(float) * hq * d);
             }
         }
-        free(qf); free(acc); free(row); free(scores); free(mx);
+        free(qf); free(acc); free(row); free(scores);
     }
 }
 
@@ -230,7 +233,7 @@ def load_kernel() -> ctypes.CDLL | None:
     if not _tried:  # called on every decode step: decide once
         _tried = True
         wide = ("-mprefer-vector-width=512",) if cpu.isa_level().startswith("avx512") else ()
-        _lib = build.load_library("paged_decode", _SOURCE, _SIGNATURES, wide)
+        _lib = build.load_library("paged_decode", SOURCE, _SIGNATURES, wide)
     return _lib
 
 

@@ -116,6 +116,8 @@ class ModelRunner:
             if not kv_calibration_ids:
                 raise ValueError("kv_cache_dtype='fp8' needs kv_calibration_ids: a prompt to calibrate the KV scales")
             self.kv_scales = self._calibrate_kv_scales(kv_calibration_ids)
+        if self.device.type == "cpu" and hasattr(model, "enable_decode_stack"):
+            model.enable_decode_stack(dtype, self.attention_backend.name)
         self.sampler = Sampler()
         self.requests: dict[str, _ReqState] = {}
         self.eos_token_id: int | None = None

@@ -63,8 +63,8 @@ def test_every_isa_level_this_cpu_runs(level, tmp_path):
     if level == "avx2":
         env.update(AVX2_ENV)
     code = ("import json, sys; from tests.worker.test_kernels import check_qmatmul, check_ops; "
-            "from kvserve.worker.kernels import cpu, qmatmul, ops; "
-            "assert qmatmul.load() is not None and ops.load() is not None; "
+            "from kvserve.worker.kernels import cpu, decode_stack, qmatmul, ops; "
+            "assert qmatmul.load() is not None and ops.load() is not None and decode_stack.load() is not None; "
             "print(json.dumps({'level': cpu.isa_level(), 'bad': check_qmatmul() + check_ops()}))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))

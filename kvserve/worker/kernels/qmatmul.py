@@ -30,8 +30,9 @@ from kvserve.worker.kernels import build
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = r"""
+SOURCE = r"""
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -130,13 +131,71 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 }
 #endif
 
-/* y[m, n] (row stride ldy) = sum_k x[m, k] w[n, k], x given as quantize_act's xq / xd / xs. */
-static void qgemm_int8act(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t N, int64_t K,
-                   const int8_t *xq, const float *xd, const float *xs, const float *xk, int64_t M, float *y,
-                   int64_t ldy, int nthreads) {
+#if defined(__AVX2__)
+/* One token (M = 1), row by row: the tiled loops below without their per-token bookkeeping. Two
+   accumulators (even and odd blocks) halve the chain of dependent FMAs the loop waits on. */
+static inline __m256 float_block(const uint8_t *wr, int64_t b, int bits, const float *xv) {
+    const __m256i sgn = load_codes(wr, b, bits);
+    const __m128i lo = _mm256_castsi256_si128(sgn), hi = _mm256_extracti128_si256(sgn, 1);
+    __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), _mm256_loadu_ps(xv));
+    p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), _mm256_loadu_ps(xv + 8), p);
+    p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), _mm256_loadu_ps(xv + 16), p);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), _mm256_loadu_ps(xv + 24), p);
+}
+static void gemv_float(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t K, const float *x,
+                       const float *xs, float *y, int64_t n0, int64_t n1) {
     const int64_t nb = K / 32, row_bytes = bits == 4 ? K / 2 : K;
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t *wr = wq + n * row_bytes;
+        const float *d = wd + n * nb;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        int64_t b = 0;
+        for (; b + 2 <= nb; b += 2) {
+            acc0 = _mm256_fmadd_ps(float_block(wr, b, bits, x + b * 32), _mm256_set1_ps(d[b]), acc0);
+            acc1 = _mm256_fmadd_ps(float_block(wr, b + 1, bits, x + b * 32 + 32), _mm256_set1_ps(d[b + 1]), acc1);
+        }
+        if (b < nb) acc0 = _mm256_fmadd_ps(float_block(wr, b, bits, x + b * 32), _mm256_set1_ps(d[b]), acc0);
+        y[n] = hsum8(_mm256_add_ps(acc0, acc1)) + dot_f32(wc + n * nb, xs, nb);
+    }
+}
+/* The same with int8 activations (quantize_act's xq / xd / xs / xk of the one token). */
+static inline __m256i int8_block(const uint8_t *wr, int64_t b, int bits, const int8_t *xq) {
+    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
+    if (bits == 4) return dot_u8s8(unpack_q4(wr + b * 16), xv);
+    const __m256i sgn = _mm256_loadu_si256((const __m256i *)(wr + b * 32));
+    return dot_u8s8(_mm256_sign_epi8(sgn, sgn), _mm256_sign_epi8(xv, sgn));
+}
+static void gemv_int8(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t K, const int8_t *xq,
+                      const float *xd, const float *xs, const float *xk, float *y, int64_t n0, int64_t n1) {
+    const int64_t nb = K / 32, row_bytes = bits == 4 ? K / 2 : K;
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t *wr = wq + n * row_bytes;
+        const float *d = wd + n * nb;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        int64_t b = 0;
+        for (; b + 2 <= nb; b += 2) {
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int8_block(wr, b, bits, xq)), _mm256_set1_ps(d[b] * xd[b]), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int8_block(wr, b + 1, bits, xq)),
+                                   _mm256_set1_ps(d[b + 1] * xd[b + 1]), acc1);
+        }
+        if (b < nb) acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int8_block(wr, b, bits, xq)), _mm256_set1_ps(d[b] * xd[b]), acc0);
+        float cs = bits == 4 ? dot_f32(d, xk, nb) : 0.f;
+        cs += dot_f32(wc + n * nb, xs, nb);
+        y[n] = hsum8(_mm256_add_ps(acc0, acc1)) + cs;
+    }
+}
+#endif
+
+/* y[m, n] (row stride ldy) = sum_k x[m, k] w[n, k] for rows n in [n0, n1), x given as
+   quantize_act's xq / xd / xs. */
+static void qgemm_int8act(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t K,
+                   const int8_t *xq, const float *xd, const float *xs, const float *xk, int64_t M, float *y,
+                   int64_t ldy, int64_t n0, int64_t n1) {
+    const int64_t nb = K / 32, row_bytes = bits == 4 ? K / 2 : K;
+#if defined(__AVX2__)
+    if (M == 1) { gemv_int8(bits, wq, wd, wc, K, xq, xd, xs, xk, y, n0, n1); return; }
+#endif
+    for (int64_t n = n0; n < n1; ++n) {
         const uint8_t *wr = wq + n * row_bytes;
         const float *d = wd + n * nb, *c = wc + n * nb;
         for (int64_t m0 = 0; m0 < M; m0 += TILE) {
@@ -189,11 +248,14 @@ static void qgemm_int8act(int bits, const uint8_t *wq, const float *wd, const fl
 }
 
 /* The same with float activations x [M, K] (row stride ldx) and their block sums xs [M, K/32]. */
-static void qgemm_floatact(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t N, int64_t K,
-                    const float *x, int64_t ldx, const float *xs, int64_t M, float *y, int64_t ldy, int nthreads) {
+static void qgemm_floatact(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t K,
+                    const float *x, int64_t ldx, const float *xs, int64_t M, float *y, int64_t ldy, int64_t n0,
+                    int64_t n1) {
     const int64_t nb = K / 32, row_bytes = bits == 4 ? K / 2 : K;
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
+#if defined(__AVX2__)
+    if (M == 1) { gemv_float(bits, wq, wd, wc, K, x, xs, y, n0, n1); return; }
+#endif
+    for (int64_t n = n0; n < n1; ++n) {
         const uint8_t *wr = wq + n * row_bytes;
         const float *d = wd + n * nb, *c = wc + n * nb;
         for (int64_t m0 = 0; m0 < M; m0 += TILE) {
@@ -249,15 +311,16 @@ void qlinear(int bits, const uint8_t *wq, const float *wd, const float *wc, int6
              const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy, int int8act, int nthreads) {
     const int64_t nb = K / 32;
     float *xs = malloc(sizeof(float) * M * nb * 3);
-    if (int8act) {
-        int8_t *xq = malloc((size_t)(M * K));
-        quantize_act(x, ldx, M, K, xq, xs + M * nb, xs, xs + 2 * M * nb, nthreads);
-        qgemm_int8act(bits, wq, wd, wc, N, K, xq, xs + M * nb, xs, xs + 2 * M * nb, M, y, ldy, nthreads);
-        free(xq);
-    } else {
-        block_sums(x, ldx, M, K, xs);
-        qgemm_floatact(bits, wq, wd, wc, N, K, x, ldx, xs, M, y, ldy, nthreads);
+    int8_t *xq = int8act ? malloc((size_t)(M * K)) : 0;
+    if (int8act) quantize_act(x, ldx, M, K, xq, xs + M * nb, xs, xs + 2 * M * nb, nthreads);
+    else block_sums(x, ldx, M, K, xs);
+    #pragma omp parallel num_threads(nthreads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads(), n0 = N * t / nt, n1 = N * (t + 1) / nt;
+        if (int8act) qgemm_int8act(bits, wq, wd, wc, K, xq, xs + M * nb, xs, xs + 2 * M * nb, M, y, ldy, n0, n1);
+        else qgemm_floatact(bits, wq, wd, wc, K, x, ldx, xs, M, y, ldy, n0, n1);
     }
+    free(xq);
     free(xs);
 }
 
@@ -292,7 +355,7 @@ _lib: ctypes.CDLL | None = None
 def load() -> ctypes.CDLL | None:
     """The compiled library (build.load_library), or None: callers then use torch ops."""
     global _lib
-    _lib = build.load_library("qmatmul", _SOURCE, _SIGNATURES)
+    _lib = build.load_library("qmatmul", SOURCE, _SIGNATURES)
     return _lib
 
 

@@ -196,7 +196,7 @@ def tune_linears(model: nn.Module, dtype: torch.dtype, allow_int8: bool | None =
         return {"times": times}
 
     # the kernels' source is part of the key: a changed kernel is measured again
-    source = hashlib.sha256(qmatmul._SOURCE.encode()).hexdigest()[:16]
+    source = hashlib.sha256(qmatmul.SOURCE.encode()).hexdigest()[:16]
     result, how = _cached("linears", [sorted(by_shape), str(dtype), source], measure)
     chosen = choose(result["times"], counts, int8_allowed() if allow_int8 is None else allow_int8)
     for m in mods:

@@ -1,0 +1,120 @@
+"""The decode stack (worker/kernels/decode_stack.py): small decode batches' layers in one C call.
+
+The same engine runs the same prompts with the stack and with it switched off (layer by layer in
+Python). With blocks weights both paths call the same C sums in the same order, so tokens and
+logprobs are equal exactly; dense float32 weights go through torch's GEMM on the layer path, so
+there the stated tolerance is 1e-5 in logprob. Block size 4 puts many block boundaries in every
+sequence; the prompts' lengths differ so the batch's requests sit at different positions.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.worker.kernels import decode_stack
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0, logprobs=5, ignore_eos=True)
+DENSE_ATOL = 1e-5
+
+
+def _prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 300) for _ in range(rng.randrange(5, 40))] for _ in range(n)]
+
+
+def _llm(model_dir, **kw) -> LLM:
+    return LLM(model=str(model_dir), dtype="float32", block_size=4, num_kv_blocks=256, check_integrity=True,
+               enable_prefix_caching=False, **kw)
+
+
+def _stack(llm: LLM):
+    return llm.engine.executor.runner.model.model
+
+
+def _generate(llm: LLM, on: bool, monkeypatch, prompts=None) -> tuple[list, int]:
+    """Outputs with the stack on or off, and how many steps it ran."""
+    model = _stack(llm)
+    saved = model.decode_stack
+    calls = []
+    if on:
+        assert saved is not None, "the stack should run this model"
+        orig = type(saved).__call__
+        monkeypatch.setattr(type(saved), "__call__", lambda self, *a: calls.append(1) or orig(self, *a))
+    else:
+        model.decode_stack = None
+    try:
+        outs = llm.generate(prompts or _prompts(), PARAMS, use_tqdm=False)
+    finally:
+        model.decode_stack = saved
+        monkeypatch.undo()
+    assert llm.engine.kv.num_used_blocks == 0
+    return outs, len(calls)
+
+
+def _compare(a, b, atol: float) -> None:
+    for x, y in zip(a, b):
+        cx, cy = x.outputs[0], y.outputs[0]
+        assert cx.token_ids == cy.token_ids
+        for lx, ly in zip(cx.logprobs, cy.logprobs):
+            assert list(lx) == list(ly)
+            diff = max(abs(lx[t].logprob - ly[t].logprob) for t in lx)
+            assert diff <= atol, diff
+
+
+@pytest.mark.parametrize("arch,quant", [("llama", "int8"), ("qwen2", "int8"), ("qwen3", "int8"), ("llama3", "none"),
+                                        ("qwen3", "none")])
+def test_stack_equals_the_layer_path(tiny_model_factory, monkeypatch, arch, quant):
+    """qwen2: q/k/v bias; qwen3: per-head q/k norm and head_dim 32; llama3: scaled rope, tied head."""
+    llm = _llm(tiny_model_factory(arch), quantization=quant)
+    on, calls = _generate(llm, True, monkeypatch)
+    off, _ = _generate(llm, False, monkeypatch)
+    assert calls >= PARAMS.max_tokens - 1  # every step after the prompts' prefill is a decode step
+    _compare(on, off, 0.0 if quant == "int8" else DENSE_ATOL)
+
+
+def test_fp8_kv_and_int8_activations(tiny_model_factory, monkeypatch):
+    """fp8 KV: codes written with the layer's scale, read back through the attention kernel's fp8
+    path. Int8 activations: the blocks kernels' other mode, set on every linear."""
+    from kvserve.quant.linear import _GroupCodes
+
+    llm = _llm(tiny_model_factory("llama"), quantization="int8", kv_cache_dtype="fp8")
+    runner = llm.engine.executor.runner
+    for mode in ("float32", "int8"):
+        for m in runner.model.modules():
+            if isinstance(m, _GroupCodes):
+                m.activations = mode
+        assert runner.model.enable_decode_stack(torch.float32, runner.attention_backend.name)
+        on, calls = _generate(llm, True, monkeypatch)
+        off, _ = _generate(llm, False, monkeypatch)
+        assert calls > 0
+        _compare(on, off, 0.0)
+
+
+def test_large_batches_and_prefills_take_the_layer_path(tiny_model_factory, monkeypatch):
+    """A step with a prompt in it, or more decodes than max_rows, runs layer by layer."""
+    llm = _llm(tiny_model_factory("llama"), quantization="none")
+    stack = _stack(llm).decode_stack
+    assert stack.max_rows == decode_stack.DENSE_MAX_ROWS
+    prompts = _prompts(decode_stack.DENSE_MAX_ROWS + 2, seed=1)
+    on, calls = _generate(llm, True, monkeypatch, prompts)
+    off, _ = _generate(llm, False, monkeypatch, prompts)
+    assert calls == 0  # all ten decode together in every step
+    _compare(on, off, 0.0)
+
+
+def test_what_it_does_not_run(tiny_model_factory, monkeypatch, caplog):
+    llm = _llm(tiny_model_factory("llama"), quantization="none")
+    model = llm.engine.executor.runner.model
+    caplog.set_level(logging.INFO, logger=decode_stack.__name__)
+    assert not model.enable_decode_stack(torch.bfloat16, "cpu")
+    assert "decode stack off: dtype torch.bfloat16" in caplog.text
+    assert not model.enable_decode_stack(torch.float32, "triton")
+    monkeypatch.setenv("KVSERVE_DECODE_STACK", "0")
+    assert not model.enable_decode_stack(torch.float32, "cpu")
+    monkeypatch.delenv("KVSERVE_DECODE_STACK")
+    assert model.enable_decode_stack(torch.float32, "cpu")
