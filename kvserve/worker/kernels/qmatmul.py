@@ -134,28 +134,64 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #if defined(__AVX2__)
 /* One token (M = 1), row by row: the tiled loops below without their per-token bookkeeping. Two
    accumulators (even and odd blocks) halve the chain of dependent FMAs the loop waits on. */
-static inline __m256 float_block(const uint8_t *wr, int64_t b, int bits, const float *xv) {
-    const __m256i sgn = load_codes(wr, b, bits);
-    const __m128i lo = _mm256_castsi256_si128(sgn), hi = _mm256_extracti128_si256(sgn, 1);
-    __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), _mm256_loadu_ps(xv));
-    p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), _mm256_loadu_ps(xv + 8), p);
-    p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), _mm256_loadu_ps(xv + 16), p);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), _mm256_loadu_ps(xv + 24), p);
+/* Block b's 32 weights' codes as floats in w[0..3] (weights 0-7, 8-15, 16-23, 24-31): 4-bit nibbles
+   as they are (0..15, not centred: callers take the 8 d off with the offsets), 8-bit codes signed.
+   The bytes go to one int32 each by in-lane byte shuffles from a 16-byte load broadcast to both
+   lanes: cross-lane widening (vpmovsx) took twice as long per block on Zen 3. */
+static inline void block_floats(const uint8_t *wr, int64_t b, int bits, __m256 w[4]) {
+    const __m256i i0 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                        4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+    const __m256i i1 = _mm256_add_epi32(i0, _mm256_set1_epi32(8));  /* bytes 8-15 (-1 + 8 keeps bit 7 set) */
+    if (bits == 4) {
+        const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(wr + b * 16)));
+        const __m256i m = _mm256_set1_epi32(15), a = _mm256_shuffle_epi8(v, i0), c = _mm256_shuffle_epi8(v, i1);
+        w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, m));
+        w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(c, m));
+        w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+        w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+    } else {  /* each byte into an int32's top byte, then an arithmetic shift sign-extends it */
+        const __m256i j0 = _mm256_slli_epi32(i0, 24), j1 = _mm256_slli_epi32(i1, 24);
+        const __m256i s0 = _mm256_or_si256(_mm256_srli_epi32(_mm256_set1_epi32(-1), 8), j0);
+        const __m256i s1 = _mm256_or_si256(_mm256_srli_epi32(_mm256_set1_epi32(-1), 8), j1);
+        for (int h = 0; h < 2; ++h) {
+            const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(wr + b * 32 + h * 16)));
+            w[2 * h] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_shuffle_epi8(v, s0), 24));
+            w[2 * h + 1] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_shuffle_epi8(v, s1), 24));
+        }
+    }
 }
+static inline __m256 block_dot(const __m256 w[4], const float *xv) {
+    __m256 p = _mm256_mul_ps(w[0], _mm256_loadu_ps(xv));
+    p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xv + 8), p);
+    p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xv + 16), p);
+    return _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xv + 24), p);
+}
+/* The weight offsets' share of one output: sum_b c[b] xs[b], less 8 d[b] xs[b] for uncentred nibbles. */
+static inline float offsets_dot(int bits, const float *c, const float *d, const float *xs, int64_t nb) {
+    const float s = dot_f32(c, xs, nb);
+    return bits == 4 ? s - 8.f * dot_f32(d, xs, nb) : s;
+}
+/* One token (M = 1), row by row: the tiled loops below without their per-token bookkeeping. Two
+   accumulators (even and odd blocks) halve the chain of dependent FMAs the loop waits on. */
 static void gemv_float(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t K, const float *x,
                        const float *xs, float *y, int64_t n0, int64_t n1) {
     const int64_t nb = K / 32, row_bytes = bits == 4 ? K / 2 : K;
     for (int64_t n = n0; n < n1; ++n) {
         const uint8_t *wr = wq + n * row_bytes;
         const float *d = wd + n * nb;
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), w[4], v[4];
         int64_t b = 0;
         for (; b + 2 <= nb; b += 2) {
-            acc0 = _mm256_fmadd_ps(float_block(wr, b, bits, x + b * 32), _mm256_set1_ps(d[b]), acc0);
-            acc1 = _mm256_fmadd_ps(float_block(wr, b + 1, bits, x + b * 32 + 32), _mm256_set1_ps(d[b + 1]), acc1);
+            block_floats(wr, b, bits, w);
+            block_floats(wr, b + 1, bits, v);
+            acc0 = _mm256_fmadd_ps(block_dot(w, x + b * 32), _mm256_set1_ps(d[b]), acc0);
+            acc1 = _mm256_fmadd_ps(block_dot(v, x + b * 32 + 32), _mm256_set1_ps(d[b + 1]), acc1);
         }
-        if (b < nb) acc0 = _mm256_fmadd_ps(float_block(wr, b, bits, x + b * 32), _mm256_set1_ps(d[b]), acc0);
-        y[n] = hsum8(_mm256_add_ps(acc0, acc1)) + dot_f32(wc + n * nb, xs, nb);
+        if (b < nb) {
+            block_floats(wr, b, bits, w);
+            acc0 = _mm256_fmadd_ps(block_dot(w, x + b * 32), _mm256_set1_ps(d[b]), acc0);
+        }
+        y[n] = hsum8(_mm256_add_ps(acc0, acc1)) + offsets_dot(bits, wc + n * nb, d, xs, nb);
     }
 }
 /* The same with int8 activations (quantize_act's xq / xd / xs / xk of the one token). */
@@ -266,23 +302,11 @@ static void qgemm_floatact(int bits, const uint8_t *wq, const float *wd, const f
             for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
             for (int64_t b = 0; b < nb; ++b) {
                 __m256 w[4];
-                const __m256i sgn = load_codes(wr, b, bits);
-                const __m128i lo = _mm256_castsi256_si128(sgn), hi = _mm256_extracti128_si256(sgn, 1);
-                w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-                w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-                w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-                w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+                block_floats(wr, b, bits, w);
                 const __m256 dv = _mm256_set1_ps(d[b]);
-                for (int t = 0; t < mt; ++t) {
-                    const float *xv = x + (m0 + t) * ldx + b * 32;
-                    __m256 p = _mm256_mul_ps(w[0], _mm256_loadu_ps(xv));
-                    p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xv + 8), p);
-                    p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xv + 16), p);
-                    p = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xv + 24), p);
-                    acc[t] = _mm256_fmadd_ps(p, dv, acc[t]);
-                }
+                for (int t = 0; t < mt; ++t) acc[t] = _mm256_fmadd_ps(block_dot(w, x + (m0 + t) * ldx + b * 32), dv, acc[t]);
             }
-            for (int t = 0; t < mt; ++t) cs[t] = dot_f32(c, xs + (m0 + t) * nb, nb);
+            for (int t = 0; t < mt; ++t) cs[t] = offsets_dot(bits, c, d, xs + (m0 + t) * nb, nb);
             for (int t = 0; t < mt; ++t) y[(m0 + t) * ldy + n] = hsum8(acc[t]) + cs[t];
 #else
             float acc[TILE] = {0.f, 0.f, 0.f, 0.f};
