@@ -29,7 +29,8 @@ ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "ATEN_CPU_CAPABILITY", "ONEDNN
 # (name shown, module, function): each returns the loaded library or None.
 C_KERNELS = (("paged_decode", "kvserve.attention.cpu_kernel", "load_kernel"),
              ("qmatmul", "kvserve.worker.kernels.qmatmul", "load"),
-             ("fused ops", "kvserve.worker.kernels.ops", "load"))
+             ("fused ops", "kvserve.worker.kernels.ops", "load"),
+             ("decode stack", "kvserve.worker.kernels.decode_stack", "load"))
 _SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)  # reports get pasted in public
 
 

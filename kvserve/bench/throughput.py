@@ -172,13 +172,14 @@ def _hf_model_source(model: str | None) -> tuple[str, str | None]:
 
 def _load_hf(args: argparse.Namespace) -> tuple[Any, Any, str, Any]:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from kvserve.models.loader import resolve_dtype
 
     directory, gguf_file = _hf_model_source(args.model)
-    dtype = resolve_dtype(args.dtype, args.device)
     kw = {"gguf_file": gguf_file} if gguf_file else {}
+    # 'auto' resolves on the model's own shapes, as kvserve's does: both run the same dtype
+    dtype = resolve_dtype(args.dtype, args.device, AutoConfig.from_pretrained(directory, **kw))
     tokenizer = AutoTokenizer.from_pretrained(directory, **kw)
     model_kw = dict(kw)
     if gguf_file and not args.hf_gguf_packed:

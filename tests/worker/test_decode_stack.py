@@ -118,3 +118,23 @@ def test_what_it_does_not_run(tiny_model_factory, monkeypatch, caplog):
     assert not model.enable_decode_stack(torch.float32, "cpu")
     monkeypatch.delenv("KVSERVE_DECODE_STACK")
     assert model.enable_decode_stack(torch.float32, "cpu")
+
+
+def test_caches_it_cannot_use_leave_it_pointing_at_the_runners(tiny_model_factory):
+    """Caches it cannot read (a strided one among them) are refused whole: the layers keep
+    pointing at the caches they had."""
+    from kvserve.attention import AttentionMetadata
+
+    llm = _llm(tiny_model_factory("llama"), quantization="int8")
+    runner = llm.engine.executor.runner
+    stack = runner.model.model.decode_stack
+    meta = AttentionMetadata(num_decodes=1, query_start_loc=[0, 1], seq_lens=[1], slot_mapping=torch.zeros(1),
+                             block_tables=torch.zeros(1, 1), seq_lens_tensor=torch.ones(1), block_size=4)
+    assert stack.runs(1, meta, runner.kv_caches)
+    before = [(layer.k_cache, layer.v_cache) for layer in stack.layers]
+    bad = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in runner.kv_caches]
+    bad[-1] = (bad[-1][0].transpose(1, 2).contiguous().transpose(1, 2), bad[-1][1])
+    assert not stack.runs(1, meta, bad)
+    assert [(layer.k_cache, layer.v_cache) for layer in stack.layers] == before
+    assert stack.runs(1, meta, runner.kv_caches)
+    assert not stack.runs(2, meta, runner.kv_caches)  # a prompt token in the step

@@ -308,9 +308,11 @@ class DecodeStack:
             return False
         if k0.dim() != 4 or k0.shape[2] != self.dims.hkv or k0.shape[3] != self.dims.d:
             return False
+        if len(kv_caches) != len(self.layers) or not all(
+                k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == k0.dtype and k.shape == k0.shape
+                for k, v in kv_caches):
+            return False
         for layer, (k, v), a in zip(self.layers, kv_caches, self._attns):
-            if not (k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == k0.dtype):
-                return False
             layer.k_cache, layer.v_cache = k.data_ptr(), v.data_ptr()
             layer.k_scale, layer.v_scale = a.k_scale, a.v_scale
         self.dims.block_size, self.dims.kv_kind = k0.shape[1], kind

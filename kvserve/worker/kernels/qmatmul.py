@@ -11,10 +11,11 @@ multiples of 32, per-channel included) map onto it exactly.
 
 Two ways to multiply, both in C with one AVX2 body (VNNI dot products where the ISA level has
 them, AVX-512VL+VNNI or AVX-VNNI) and a plain C body elsewhere:
-  float activations ("float32"): codes become floats in registers; exact up to summation order.
+  float activations ("float32"): codes become floats in registers (by in-lane byte shuffles;
+    4-bit nibbles uncentred, their 8 d taken off with the offsets); exact up to summation order.
   int8 activations ("int8"): each token's 32-value block becomes int8 codes and a scale, as
     llama.cpp's Q8 dot products do; the weight offset uses the block's exact float sum.
-    4-5x fewer instructions per weight; what it costs in perplexity is in BENCHMARKS.md.
+    Fewer instructions per weight; what it costs in perplexity is in BENCHMARKS.md.
 `dequantize` writes W as float32 for the dense path (prefill-sized batches).
 """
 
@@ -132,8 +133,6 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 
 #if defined(__AVX2__)
-/* One token (M = 1), row by row: the tiled loops below without their per-token bookkeeping. Two
-   accumulators (even and odd blocks) halve the chain of dependent FMAs the loop waits on. */
 /* Block b's 32 weights' codes as floats in w[0..3] (weights 0-7, 8-15, 16-23, 24-31): 4-bit nibbles
    as they are (0..15, not centred: callers take the 8 d off with the offsets), 8-bit codes signed.
    The bytes go to one int32 each by in-lane byte shuffles from a 16-byte load broadcast to both
@@ -170,6 +169,21 @@ static inline __m256 block_dot(const __m256 w[4], const float *xv) {
 static inline float offsets_dot(int bits, const float *c, const float *d, const float *xs, int64_t nb) {
     const float s = dot_f32(c, xs, nb);
     return bits == 4 ? s - 8.f * dot_f32(d, xs, nb) : s;
+}
+/* One weight row against MT tokens (x [MT, K] row stride ldx, y column stride ldy): the row's
+   blocks are decoded once for the MT tokens. */
+static inline __attribute__((always_inline)) void float_tile(
+        const int MT, int bits, const uint8_t *wr, const float *d, const float *c, int64_t nb, const float *x,
+        int64_t ldx, const float *xs, float *y, int64_t ldy) {
+    __m256 acc[TILE];
+    for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256 w[4];
+        block_floats(wr, b, bits, w);
+        const __m256 dv = _mm256_set1_ps(d[b]);
+        for (int t = 0; t < MT; ++t) acc[t] = _mm256_fmadd_ps(block_dot(w, x + t * ldx + b * 32), dv, acc[t]);
+    }
+    for (int t = 0; t < MT; ++t) y[t * ldy] = hsum8(acc[t]) + offsets_dot(bits, c, d, xs + t * nb, nb);
 }
 /* One token (M = 1), row by row: the tiled loops below without their per-token bookkeeping. Two
    accumulators (even and odd blocks) halve the chain of dependent FMAs the loop waits on. */
@@ -298,16 +312,15 @@ static void qgemm_floatact(int bits, const uint8_t *wq, const float *wd, const f
             const int mt = M - m0 < TILE ? (int)(M - m0) : TILE;
             float cs[TILE] = {0.f, 0.f, 0.f, 0.f};
 #if defined(__AVX2__)
-            __m256 acc[TILE];
-            for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
-            for (int64_t b = 0; b < nb; ++b) {
-                __m256 w[4];
-                block_floats(wr, b, bits, w);
-                const __m256 dv = _mm256_set1_ps(d[b]);
-                for (int t = 0; t < mt; ++t) acc[t] = _mm256_fmadd_ps(block_dot(w, x + (m0 + t) * ldx + b * 32), dv, acc[t]);
+            (void)cs;
+            const float *xt = x + m0 * ldx, *xst = xs + m0 * nb;
+            float *yt = y + m0 * ldy + n;
+            switch (mt) {  /* a constant token count keeps the accumulators in registers */
+                case 4: float_tile(4, bits, wr, d, c, nb, xt, ldx, xst, yt, ldy); break;
+                case 3: float_tile(3, bits, wr, d, c, nb, xt, ldx, xst, yt, ldy); break;
+                case 2: float_tile(2, bits, wr, d, c, nb, xt, ldx, xst, yt, ldy); break;
+                default: float_tile(1, bits, wr, d, c, nb, xt, ldx, xst, yt, ldy);
             }
-            for (int t = 0; t < mt; ++t) cs[t] = offsets_dot(bits, c, d, xs + (m0 + t) * nb, nb);
-            for (int t = 0; t < mt; ++t) y[(m0 + t) * ldy + n] = hsum8(acc[t]) + cs[t];
 #else
             float acc[TILE] = {0.f, 0.f, 0.f, 0.f};
             for (int64_t b = 0; b < nb; ++b) {
