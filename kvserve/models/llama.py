@@ -142,7 +142,7 @@ class LlamaModel(nn.Module):
             h, residual = intermediate.hidden, intermediate.residual
         stack = self.decode_stack
         if stack is not None and (first, last) == (0, self.end) and stack.runs(input_ids.shape[0], meta, kv_caches):
-            h, residual = stack(h, residual, positions, meta, self.rotary_emb)
+            h, residual = stack(h, positions, meta, self.rotary_emb)  # first == 0: h is the embeddings
         else:
             cos, sin = self.rotary_emb(positions)
             for i in range(first, last):

@@ -101,12 +101,11 @@ static void lin_run(const Lin *L, const float *x, int64_t m, float *y, int64_t l
     #pragma omp barrier
 }
 
-/* Layers [0, nlayers) for B decode tokens. h [B, hidden]: in, the embeddings (has_res 0) or the
-   hidden states with res [B, hidden] the residual (has_res 1); out, the last layer's MLP output,
-   with res its residual. cos / sin: [max_pos, d / 2] tables, pos [B]; slots [B]; tables [B, ts]
-   block ids; lens [B] sequence lengths including this token. */
+/* Layers [0, nlayers) for B decode tokens. h [B, hidden]: in, the embeddings; out, the last layer's
+   MLP output, with res [B, hidden] its residual. cos / sin: [max_pos, d / 2] tables, pos [B];
+   slots [B]; tables [B, ts] block ids; lens [B] sequence lengths including this token. */
 void decode_stack(const Layer *layers, int64_t nlayers, const Dims *dm, int64_t B, float *h, float *res,
-                  int has_res, const float *cos_, const float *sin_, const int64_t *pos, const int64_t *slots,
+                  const float *cos_, const float *sin_, const int64_t *pos, const int64_t *slots,
                   const int64_t *tables, int64_t ts, const int64_t *lens, int64_t max_len, int nthreads) {
     const int64_t H = dm->hidden, d = dm->d, qs = dm->hq * d, kvs = dm->hkv * d, wq = qs + 2 * kvs, I = dm->inter;
     const int64_t width = dm->hkv * d, g = dm->hq / dm->hkv;
@@ -122,8 +121,8 @@ void decode_stack(const Layer *layers, int64_t nlayers, const Dims *dm, int64_t 
             const Layer *L = layers + l;
             #pragma omp for schedule(static)
             for (int64_t t = 0; t < B; ++t)
-                norm_row(h + t * H, (l || has_res) ? res + t * H : 0, res + t * H, L->in_norm, x + t * H, H, dm->eps);
-            if (l == 0 && !has_res) {
+                norm_row(h + t * H, l ? res + t * H : 0, res + t * H, L->in_norm, x + t * H, H, dm->eps);
+            if (l == 0) {
                 #pragma omp for schedule(static)
                 for (int64_t t = 0; t < B; ++t) memcpy(res + t * H, h + t * H, sizeof(float) * H);
             }
@@ -187,7 +186,7 @@ class _Dims(ctypes.Structure):
 
 
 _vp, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_SIGNATURES = {"decode_stack": [_vp, _i64, _vp, _i64, _vp, _vp, _int, _vp, _vp, _vp, _vp, _vp, _i64, _vp, _i64, _int]}
+_SIGNATURES = {"decode_stack": [_vp, _i64, _vp, _i64, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i64, _vp, _i64, _int]}
 
 
 def load() -> ctypes.CDLL | None:
@@ -284,7 +283,7 @@ class DecodeStack:
                 raise Unsupported("norms of different eps or dtype")
             keep += [n.weight for n in norms]
             ptrs = [n.weight.data_ptr() for n in norms] + [None] * (4 - len(norms))
-            layers.append(_Layer(*ptrs, *lins, None, None, a.attn.k_scale, a.attn.v_scale))
+            layers.append(_Layer(*ptrs, *lins))  # caches and their scales: _point_at
             attns.append(a.attn)
         mlp0 = first.mlp
         dims = _Dims(hidden=first.input_layernorm.weight.shape[0], hq=a0.num_heads, hkv=a0.num_kv_heads,
@@ -319,18 +318,18 @@ class DecodeStack:
         self._caches = kv_caches
         return True
 
-    def __call__(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                 meta: Any, rotary: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run every layer on h [B, hidden] (embeddings when residual is None); (hidden, residual)."""
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, meta: Any, rotary: Any
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run every layer on the embeddings h [B, hidden] (written in place); (hidden, residual)."""
         b = h.shape[0]
-        h = h.contiguous().clone() if residual is not None else h.contiguous()  # written in place
-        res = residual.contiguous().clone() if residual is not None else torch.empty_like(h)
+        h = h.contiguous()
+        res = torch.empty_like(h)
         tables = meta.block_tables[:b].to(torch.int64).contiguous()
         lens = meta.seq_lens_tensor[:b].to(torch.int64).contiguous()
         pos = positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         self.lib.decode_stack(ctypes.addressof(self.layers), len(self.layers), ctypes.addressof(self.dims), b,
-                              h.data_ptr(), res.data_ptr(), int(residual is not None), rotary.cos_cache.data_ptr(),
+                              h.data_ptr(), res.data_ptr(), rotary.cos_cache.data_ptr(),
                               rotary.sin_cache.data_ptr(), pos.data_ptr(), slots.data_ptr(), tables.data_ptr(),
                               tables.shape[1], lens.data_ptr(), max(meta.seq_lens[:b]), torch.get_num_threads())
         return h, res
