@@ -18,15 +18,16 @@ import math
 import torch
 
 from kvserve.worker.kernels import build, cpu
+from kvserve.worker.kernels.ops import COMMON_SOURCE
 
 logger = logging.getLogger(__name__)
 
-SOURCE = r"""
+SOURCE = COMMON_SOURCE + r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -96,47 +97,132 @@ static inline void load_row(const void *base, int64_t idx, int64_t d, int kind, 
     }
 }
 
+/* rows[t] = position t's row of kv heads [kh0, kh0 + w / d) as floats: the cache's own row for a
+   float32 cache, else converted into buf [len * w]. */
+static void gather_rows(const void *cache, const int64_t *table, int64_t len, int64_t block_size, int64_t width,
+                        int64_t kh0, int64_t d, int64_t w, int kind, const float **rows, float *buf) {
+    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b)
+        for (int64_t t = t0, idx = table[b] * block_size * width + kh0 * d; t < len && t < t0 + block_size;
+             ++t, idx += width) {
+            if (kind == ROW_F32) {
+                rows[t] = (const float *)cache + idx;
+            } else {
+                load_row(cache, idx, w, kind, buf + t * w);
+                rows[t] = buf + t * w;
+            }
+        }
+}
+/* Rows come from blocks scattered in memory (the hardware prefetchers stop at page ends): each
+   position's row is fetched PREFETCH_AHEAD positions before it is used. */
+#define PREFETCH_AHEAD 8
+static inline void prefetch_row(const float **rows, int64_t t, int64_t len, int64_t w) {
+    if (t < len)
+        for (int64_t c = 0; c < w; c += 16) __builtin_prefetch(rows[t] + c);  /* 16 floats: a line */
+}
+/* a . b over d floats. */
+static inline float dot_row(const float *a, const float *b, int64_t d) {
+    int64_t i = 0;
+    float s = 0.f;
+#if defined(__AVX2__)
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0;  /* two chains: half the FMA latency waited on */
+    for (; i + 16 <= d; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    if (i + 8 <= d) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        i += 8;
+    }
+    s = hsum8(_mm256_add_ps(s0, s1));
+#endif
+    for (; i < d; ++i) s += a[i] * b[i];
+    return s;
+}
+#if defined(__AVX2__)
+/* out[j] [32] = sum_t p[j][t] v[t][..32] for H <= 2 heads (p[j] = p + j * len) that read the same
+   rows: each row's 32 floats are loaded once for the H heads, 4H independent accumulator chains
+   (3 heads would spill: 12 accumulators + 4 rows + 1 weight > 16 registers). */
+static inline __attribute__((always_inline)) void weighted_rows_32(const int H, const float *p, int64_t len,
+        const float **rows, int64_t off, float *out, int64_t ldo) {
+    __m256 acc[2][4];
+    for (int j = 0; j < H; ++j)
+        for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+        const float *v = rows[t] + off;
+        if (t + PREFETCH_AHEAD < len) __builtin_prefetch(rows[t + PREFETCH_AHEAD] + off);  /* 32 floats: */
+        if (t + PREFETCH_AHEAD < len) __builtin_prefetch(rows[t + PREFETCH_AHEAD] + off + 16);  /* 2 lines */
+        const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
+                     v3 = _mm256_loadu_ps(v + 24);
+        for (int j = 0; j < H; ++j) {
+            const __m256 pj = _mm256_broadcast_ss(p + j * len + t);
+            acc[j][0] = _mm256_fmadd_ps(pj, v0, acc[j][0]);
+            acc[j][1] = _mm256_fmadd_ps(pj, v1, acc[j][1]);
+            acc[j][2] = _mm256_fmadd_ps(pj, v2, acc[j][2]);
+            acc[j][3] = _mm256_fmadd_ps(pj, v3, acc[j][3]);
+        }
+    }
+    for (int j = 0; j < H; ++j)
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + j * ldo + i * 8, acc[j][i]);
+}
+#endif
+/* out[j] [d] (row stride d) = sum_t p[j][t] rows[t][off ..] for the g heads j (p[j] = p + j * len)
+   that share one kv head. */
+static void weighted_rows(const float *p, const float **rows, int64_t off, int64_t len, int64_t d, int64_t g,
+                          float *out) {
+    int64_t i0 = 0;
+#if defined(__AVX2__)
+    for (; i0 + 32 <= d; i0 += 32)
+        for (int64_t j = 0; j < g; j += 2) {
+            if (g - j >= 2) weighted_rows_32(2, p + j * len, len, rows, off + i0, out + j * d + i0, d);
+            else weighted_rows_32(1, p + j * len, len, rows, off + i0, out + j * d + i0, d);
+        }
+#endif
+    if (i0 == d) return;
+    for (int64_t j = 0; j < g; ++j) {
+        float *oj = out + j * d;
+        memset(oj + i0, 0, sizeof(float) * (d - i0));
+        for (int64_t t = 0; t < len; ++t) {
+            const float pt = p[j * len + t], *v = rows[t] + off;
+            #pragma omp simd
+            for (int64_t i = i0; i < d; ++i) oj[i] += pt * v[i];
+        }
+    }
+}
+/* Scratch floats attend_heads needs in buf for len positions of w floats per row. */
+static inline int64_t attend_buf_floats(int kind, int64_t len, int64_t w) { return kind == ROW_F32 ? 0 : len * w; }
+
 /* Decode attention of one request's query heads that share kv heads [kh0, kh1): qf [hq * d]
    (f32), its block table and length; writes those heads of out [hq * d]. Scores are q.k * scale
    and the output is sum p v * v_scale, so an fp8 cache's per-layer scales cost nothing (fp8
-   callers multiply both by 2^8 first: fp8_row_to_f32_lo's 2^-8). Each position's K and V rows
-   of the kv heads are read once for all their query heads: heads that share cache lines are not
-   split. Scratch: row [(kh1 - kh0) * d], scores [(kh1 - kh0) * hq / hkv * len]. */
+   callers multiply both by 2^8 first: fp8_row_to_f32_lo's 2^-8). Float32 caches are read in
+   place; others are converted once per row. Each position's K row serves all its query heads
+   while in L1; the softmax's exp is vectorized (vexpf); the output sums 32 floats in registers
+   over all positions. Scratch: rows [len], buf [attend_buf_floats], scores [(kh1 - kh0) * g * len]. */
 static void attend_heads(const float *qf, const void *k_cache, const void *v_cache, const int64_t *table, int64_t len,
                          int64_t hq, int64_t hkv, int64_t d, int64_t block_size, int kv_kind, float scale,
-                         float v_scale, int64_t kh0, int64_t kh1, float *out, float *row, float *scores) {
+                         float v_scale, int64_t kh0, int64_t kh1, float *out, const float **rows, float *buf,
+                         float *scores) {
     const int64_t g = hq / hkv, width = hkv * d, w = (kh1 - kh0) * d, nh = (kh1 - kh0) * g, j0 = kh0 * g;
+    gather_rows(k_cache, table, len, block_size, width, kh0, d, w, kv_kind, rows, buf);
     for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        load_row(k_cache, slot * width + kh0 * d, w, kv_kind, row);
+        prefetch_row(rows, t + PREFETCH_AHEAD, len, w);
         for (int64_t j = 0; j < nh; ++j) {
-            const float *qj = qf + (j0 + j) * d, *kj = row + (j / g) * d;
-            float s = 0.f;
-            #pragma omp simd reduction(+:s)
-            for (int64_t i = 0; i < d; ++i) s += qj[i] * kj[i];
-            scores[j * len + t] = s * scale;
+            scores[j * len + t] = dot_row(qf + (j0 + j) * d, rows[t] + (j / g) * d, d) * scale;
         }
     }
     for (int64_t j = 0; j < nh; ++j) {
         float *sj = scores + j * len, m = -INFINITY, sum = 0.f;
+        #pragma omp simd reduction(max:m)
         for (int64_t t = 0; t < len; ++t) m = sj[t] > m ? sj[t] : m;
         #pragma omp simd reduction(+:sum)
-        for (int64_t t = 0; t < len; ++t) { sj[t] = expf(sj[t] - m); sum += sj[t]; }
+        for (int64_t t = 0; t < len; ++t) { sj[t] = vexpf(sj[t] - m); sum += sj[t]; }
         const float inv = v_scale / sum;
         #pragma omp simd
         for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
     }
-    memset(out + j0 * d, 0, sizeof(float) * nh * d);
-    for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        load_row(v_cache, slot * width + kh0 * d, w, kv_kind, row);
-        for (int64_t j = 0; j < nh; ++j) {
-            const float p = scores[j * len + t], *vj = row + (j / g) * d;
-            float *aj = out + (j0 + j) * d;
-            #pragma omp simd
-            for (int64_t i = 0; i < d; ++i) aj[i] += p * vj[i];
-        }
-    }
+    gather_rows(v_cache, table, len, block_size, width, kh0, d, w, kv_kind, rows, buf);
+    for (int64_t kh = 0; kh < kh1 - kh0; ++kh)
+        weighted_rows(scores + kh * g * len, rows, kh * d, len, d, g, out + (j0 + kh * g) * d);
 }
 
 /* q, out: [B, Hq, D] (f32, or bf16 if q_bf16); caches: [num_blocks, block_size, Hkv, D] of kv_kind;
@@ -150,13 +236,14 @@ void paged_decode(const void *q, const void *k_cache, const void *v_cache, void 
     {
         float *qf = malloc(sizeof(float) * hq * d);
         float *acc = malloc(sizeof(float) * hq * d);
-        float *row = malloc(sizeof(float) * hkv * d);
+        const float **rows = malloc(sizeof(float *) * max_len);
+        float *buf = malloc(sizeof(float) * (attend_buf_floats(kv_kind, max_len, hkv * d) + 1));
         float *scores = malloc(sizeof(float) * hq * max_len);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < num_reqs; ++b) {
             load_row(q, b * hq * d, hq * d, q_bf16 ? ROW_BF16 : ROW_F32, qf);
             attend_heads(qf, k_cache, v_cache, tables + b * table_stride, seq_lens[b], hq, hkv, d, block_size,
-                         kv_kind, scale, v_scale, 0, hkv, acc, row, scores);
+                         kv_kind, scale, v_scale, 0, hkv, acc, rows, buf, scores);
             if (q_bf16) {
                 uint16_t *dst = (uint16_t *)out + b * hq * d;
                 for (int64_t i = 0; i < hq * d; ++i) dst[i] = f32_to_bf16(acc[i]);
@@ -164,7 +251,7 @@ void paged_decode(const void *q, const void *k_cache, const void *v_cache, void 
                 memcpy((float *)out + b * hq * d, acc, sizeof(float) * hq * d);
             }
         }
-        free(qf); free(acc); free(row); free(scores);
+        free(qf); free(acc); free(rows); free(buf); free(scores);
     }
 }
 

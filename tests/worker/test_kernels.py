@@ -37,7 +37,7 @@ def check_qmatmul() -> list[str]:
             if not (torch.allclose(qmatmul.dequantize(w), dense, rtol=1e-6, atol=1e-7)
                     and torch.allclose(qmatmul.reference(w), dense, rtol=1e-6, atol=1e-7)):
                 bad.append(f"dequantize {bits}-bit {n}x{k}")
-            for m in (1, 3, 4, 5, 17):
+            for m in (1, 3, 4, 5, 12, 17, 130):  # 12+: the panel path; 130 spans two token chunks
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
                 ref = F.linear(x, dense)
                 for mode, tol in (("float32", 2e-6), ("int8", 2e-2)):
@@ -106,9 +106,10 @@ def check_ops() -> list[str]:
         if not (torch.allclose(out, ref, atol=1e-5) and torch.equal(new_r, ref_r)
                 and torch.allclose(plain, ref_plain, atol=1e-5)):
             bad.append(f"rms_norm {t}x{n}")
-        gu = torch.randn(t, 2 * n, generator=g)
-        if not torch.allclose(ops.silu_mul(gu), F.silu(gu[:, :n]) * gu[:, n:], atol=1e-5):
-            bad.append(f"silu_mul {t}x{n}")
+        for spread in (1, 40):  # 40: exp's clamped ends (e^-87, e^88) too
+            gu = torch.randn(t, 2 * n, generator=g) * spread
+            if not torch.allclose(ops.silu_mul(gu), F.silu(gu[:, :n]) * gu[:, n:], atol=1e-5, rtol=1e-5):
+                bad.append(f"silu_mul {t}x{n} spread {spread}")
     for t, h, d in ((1, 3, 64), (7, 2, 10)):
         qkv = torch.randn(t, 3 * h * d, generator=g)
         cos, sin = torch.randn(t, 1, d // 2, generator=g), torch.randn(t, 1, d // 2, generator=g)

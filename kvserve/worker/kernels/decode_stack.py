@@ -71,10 +71,11 @@ static inline void share(int64_t n, int64_t *n0, int64_t *n1) {
    block sums / int8 codes go into xs / xq first (thread 0). Ends at a barrier. */
 static void lin_run(const Lin *L, const float *x, int64_t m, float *y, int64_t ldy, float *xs, int8_t *xq) {
     const int64_t nb = L->k / 32;
+    const int int8act = L->int8act && m < PANEL_FROM;
     if (L->kind != LIN_DENSE) {
         #pragma omp single
         {
-            if (L->int8act) quantize_act(x, L->k, m, L->k, xq, xs + m * nb, xs, xs + 2 * m * nb, 1);
+            if (int8act) quantize_act(x, L->k, m, L->k, xq, xs + m * nb, xs, xs + 2 * m * nb, 1);
             else block_sums(x, L->k, m, L->k, xs);
         }  /* implicit barrier */
     }
@@ -90,7 +91,7 @@ static void lin_run(const Lin *L, const float *x, int64_t m, float *y, int64_t l
                 for (int64_t i = 0; i < L->k; ++i) s += wr[i] * xr[i];
                 y[t * ldy + n] = s;
             }
-    } else if (L->int8act) {
+    } else if (int8act) {
         qgemm_int8act((int)L->kind, L->w, L->d, L->c, L->k, xq, xs + m * nb, xs, xs + 2 * m * nb, m, y, ldy, n0, n1);
     } else {
         qgemm_floatact((int)L->kind, L->w, L->d, L->c, L->k, x, L->k, xs, m, y, ldy, n0, n1);
@@ -116,7 +117,9 @@ void decode_stack(const Layer *layers, int64_t nlayers, const Dims *dm, int64_t 
     const float fp8 = dm->kv_kind == ROW_FP8 ? 256.f : 1.f;  /* attend_heads' fp8 convention */
     #pragma omp parallel num_threads(nthreads)
     {
-        float *row = malloc(sizeof(float) * width), *scores = malloc(sizeof(float) * g * max_len);
+        const float **rows = malloc(sizeof(float *) * max_len);
+        float *buf = malloc(sizeof(float) * (attend_buf_floats((int)dm->kv_kind, max_len, d) + 1));
+        float *scores = malloc(sizeof(float) * g * max_len);
         for (int64_t l = 0; l < nlayers; ++l) {
             const Layer *L = layers + l;
             #pragma omp for schedule(static)
@@ -150,7 +153,7 @@ void decode_stack(const Layer *layers, int64_t nlayers, const Dims *dm, int64_t 
                 const int64_t t = i / dm->hkv, kh = i % dm->hkv;
                 attend_heads(qkv + t * wq, L->k_cache, L->v_cache, tables + t * ts, lens[t], dm->hq, dm->hkv, d,
                              dm->block_size, (int)dm->kv_kind, dm->scale * L->k_scale * fp8, L->v_scale * fp8,
-                             kh, kh + 1, attn + t * qs, row, scores);
+                             kh, kh + 1, attn + t * qs, rows, buf, scores);
             }
             lin_run(&L->o, attn, B, h, H, xs, xq);
             #pragma omp for schedule(static)
@@ -161,7 +164,7 @@ void decode_stack(const Layer *layers, int64_t nlayers, const Dims *dm, int64_t 
             for (int64_t t = 0; t < B; ++t) silu_mul_row(gu + t * 2 * I, act + t * I, I);
             lin_run(&L->down, act, B, h, H, xs, xq);
         }
-        free(row); free(scores);
+        free(rows); free(buf); free(scores);
     }
     free(x); free(qkv); free(attn); free(gu); free(act); free(xs); free(xq);
 }

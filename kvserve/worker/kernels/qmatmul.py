@@ -13,10 +13,15 @@ Two ways to multiply, both in C with one AVX2 body (VNNI dot products where the 
 them, AVX-512VL+VNNI or AVX-VNNI) and a plain C body elsewhere:
   float activations ("float32"): codes become floats in registers (by in-lane byte shuffles;
     4-bit nibbles uncentred, their 8 d taken off with the offsets); exact up to summation order.
+    Below PANEL_FROM tokens each weight row is decoded once per 4 tokens and dotted with them;
+    from PANEL_FROM tokens on, 16 rows at a time are decoded into a transposed float panel that
+    an outer-product register tile (6 tokens x 16 rows) sweeps, as a dense GEMM does: within a
+    few percent of MKL on the dequantized weight, without writing the whole weight out.
   int8 activations ("int8"): each token's 32-value block becomes int8 codes and a scale, as
     llama.cpp's Q8 dot products do; the weight offset uses the block's exact float sum.
-    Fewer instructions per weight; what it costs in perplexity is in BENCHMARKS.md.
-`dequantize` writes W as float32 for the dense path (prefill-sized batches).
+    Fewer instructions per weight; what it costs in perplexity is in BENCHMARKS.md. Batches of
+    PANEL_FROM tokens or more take the float panel path instead (faster, and exact).
+`dequantize` writes W as float32 for the dense path (when tuning finds MKL faster).
 """
 
 from __future__ import annotations
@@ -28,10 +33,11 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.worker.kernels import build
+from kvserve.worker.kernels.ops import COMMON_SOURCE
 
 logger = logging.getLogger(__name__)
 
-SOURCE = r"""
+SOURCE = COMMON_SOURCE + r"""
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -42,6 +48,9 @@ SOURCE = r"""
 #endif
 
 #define TILE 4
+/* From this many tokens float activations take the panel GEMM (qgemm_panels), faster than the
+   int8 kernel too: int8 activations are used below it only. */
+#define PANEL_FROM 10
 /* The signed codes of block b of a row: nibbles minus 8, or the int8 codes. */
 static inline void codes_of(const uint8_t *wr, int64_t b, int bits, int8_t *out) {
     if (bits == 4) {
@@ -92,12 +101,6 @@ static void block_sums(const float *x, int64_t ldx, int64_t M, int64_t K, float 
 }
 
 #if defined(__AVX2__)
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 static inline void mul_f32(const float *a, const float *b, float *out, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
@@ -208,6 +211,112 @@ static void gemv_float(int bits, const uint8_t *wq, const float *wd, const float
         y[n] = hsum8(_mm256_add_ps(acc0, acc1)) + offsets_dot(bits, wc + n * nb, d, xs, nb);
     }
 }
+/* Batches of PANEL_FROM tokens or more, as a dense GEMM does it: 16 weight rows at a time are
+   decoded to floats once into a transposed panel wt [K][16] (a per-thread buffer), then every
+   MR = 6 tokens take an outer-product register tile: per k, two 8-float loads of wt and six
+   broadcasts of x feed 12 FMAs into 12 accumulators (y[t][0..15]). Tokens go in chunks of
+   TOKEN_CHUNK so a chunk's activations stay in cache while each panel is swept. */
+#define NR 16
+#define MR 6
+#define TOKEN_CHUNK 120
+static inline __attribute__((always_inline)) void outer_tile(const int T, const float *wt, int64_t K,
+        const float *x, int64_t ldx, float *y, int64_t ldy, int nr) {
+    __m256 acc[MR][2];
+    for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+        const __m256 b0 = _mm256_loadu_ps(wt + k * NR), b1 = _mm256_loadu_ps(wt + k * NR + 8);
+        for (int t = 0; t < T; ++t) {
+            const __m256 xv = _mm256_broadcast_ss(x + t * ldx + k);
+            acc[t][0] = _mm256_fmadd_ps(xv, b0, acc[t][0]);
+            acc[t][1] = _mm256_fmadd_ps(xv, b1, acc[t][1]);
+        }
+    }
+    for (int t = 0; t < T; ++t) {
+        if (nr == NR) {
+            _mm256_storeu_ps(y + t * ldy, acc[t][0]);
+            _mm256_storeu_ps(y + t * ldy + 8, acc[t][1]);
+        } else {  /* the panel's last rows: zero-padded to NR, only nr outputs exist */
+            float out[NR];
+            _mm256_storeu_ps(out, acc[t][0]);
+            _mm256_storeu_ps(out + 8, acc[t][1]);
+            memcpy(y + t * ldy, out, sizeof(float) * nr);
+        }
+    }
+}
+/* r[i] (8 rows of 8 floats) -> r[j] = column j. */
+static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i)
+        for (int h = 0; h < 2; ++h) {
+            u[4 * i + 2 * h] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + h + 2], 0x44);
+            u[4 * i + 2 * h + 1] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + h + 2], 0xEE);
+        }
+    for (int j = 0; j < 4; ++j) {
+        r[j] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x20);
+        r[j + 4] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x31);
+    }
+}
+/* Rows [n0, n0 + nr) of W (nr <= NR) as floats (weight = code d + c), transposed into wt [K][NR]
+   (rows past nr are zeros): 8 rows' blocks at a time, by 8x8 register transposes. */
+static void decode_panel(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t K, int64_t n0,
+                         int nr, float *wt) {
+    const int64_t nb = K / 32, row_bytes = bits == 4 ? K / 2 : K;
+    for (int g = 0; g < NR; g += 8) {
+        for (int64_t b = 0; b < nb; ++b) {
+            __m256 v[4][8];  /* [8-weight group of the block][row] */
+            for (int r = 0; r < 8; ++r) {
+                const int64_t n = n0 + g + r;
+                if (g + r >= nr) {
+                    for (int i = 0; i < 4; ++i) v[i][r] = _mm256_setzero_ps();
+                    continue;
+                }
+                __m256 w[4];
+                const float d = wd[n * nb + b], c = wc[n * nb + b];
+                block_floats(wq + n * row_bytes, b, bits, w);  /* uncentred nibbles: 8 d comes off c */
+                const __m256 dv = _mm256_set1_ps(d), cv = _mm256_set1_ps(bits == 4 ? c - 8.f * d : c);
+                for (int i = 0; i < 4; ++i) v[i][r] = _mm256_fmadd_ps(w[i], dv, cv);
+            }
+            for (int i = 0; i < 4; ++i) {
+                transpose8(v[i]);
+                for (int j = 0; j < 8; ++j) _mm256_storeu_ps(wt + (b * 32 + i * 8 + j) * NR + g, v[i][j]);
+            }
+        }
+    }
+}
+/* A per-thread scratch buffer of at least n floats, kept between calls (OpenMP threads persist). */
+static float *thread_scratch(size_t n) {
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (n > cap) {
+        free(buf);
+        buf = malloc(n * sizeof(float));
+        cap = n;
+    }
+    return buf;
+}
+#define OUTER_TILE(T) case T: outer_tile(T, wt, K, xt, ldx, yt, ldy, nr); break;
+static void qgemm_panels(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t K, const float *x,
+                         int64_t ldx, int64_t M, float *y, int64_t ldy, int64_t n0, int64_t n1) {
+    float *wt = thread_scratch((size_t)(K * NR));
+    for (int64_t c0 = 0; c0 < M; c0 += TOKEN_CHUNK) {
+        const int64_t c1 = c0 + TOKEN_CHUNK < M ? c0 + TOKEN_CHUNK : M;
+        for (int64_t p0 = n0; p0 < n1; p0 += NR) {
+            const int nr = n1 - p0 < NR ? (int)(n1 - p0) : NR;
+            decode_panel(bits, wq, wd, wc, K, p0, nr, wt);
+            for (int64_t m0 = c0; m0 < c1; m0 += MR) {
+                const float *xt = x + m0 * ldx;
+                float *yt = y + m0 * ldy + p0;
+                switch (c1 - m0 < MR ? (int)(c1 - m0) : MR) {  /* constant token counts keep acc in registers */
+                    OUTER_TILE(6) OUTER_TILE(5) OUTER_TILE(4) OUTER_TILE(3) OUTER_TILE(2) OUTER_TILE(1)
+                }
+            }
+        }
+    }
+}
 /* The same with int8 activations (quantize_act's xq / xd / xs / xk of the one token). */
 static inline __m256i int8_block(const uint8_t *wr, int64_t b, int bits, const int8_t *xq) {
     const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
@@ -304,6 +413,7 @@ static void qgemm_floatact(int bits, const uint8_t *wq, const float *wd, const f
     const int64_t nb = K / 32, row_bytes = bits == 4 ? K / 2 : K;
 #if defined(__AVX2__)
     if (M == 1) { gemv_float(bits, wq, wd, wc, K, x, xs, y, n0, n1); return; }
+    if (M >= PANEL_FROM) { qgemm_panels(bits, wq, wd, wc, K, x, ldx, M, y, ldy, n0, n1); return; }
 #endif
     for (int64_t n = n0; n < n1; ++n) {
         const uint8_t *wr = wq + n * row_bytes;
@@ -343,11 +453,12 @@ static void qgemm_floatact(int bits, const uint8_t *wq, const float *wd, const f
 }
 
 /* y = x @ W.T for float32 x [M, K] (row stride ldx): int8act != 0 quantizes x per 32-value block
-   first (scratch from malloc), else multiplies float activations. */
+   first (scratch from malloc) for batches below PANEL_FROM, else multiplies float activations. */
 void qlinear(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t N, int64_t K,
              const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy, int int8act, int nthreads) {
     const int64_t nb = K / 32;
     float *xs = malloc(sizeof(float) * M * nb * 3);
+    int8act = int8act && M < PANEL_FROM;
     int8_t *xq = int8act ? malloc((size_t)(M * K)) : 0;
     if (int8act) quantize_act(x, ldx, M, K, xq, xs + M * nb, xs, xs + 2 * M * nb, nthreads);
     else block_sums(x, ldx, M, K, xs);
