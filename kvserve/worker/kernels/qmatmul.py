@@ -218,7 +218,7 @@ static void gemv_float(int bits, const uint8_t *wq, const float *wd, const float
    TOKEN_CHUNK so a chunk's activations stay in cache while each panel is swept. */
 #define NR 16
 #define MR 6
-#define TOKEN_CHUNK 120
+#define TOKEN_CHUNK 480
 static inline __attribute__((always_inline)) void outer_tile(const int T, const float *wt, int64_t K,
         const float *x, int64_t ldx, float *y, int64_t ldy, int nr) {
     __m256 acc[MR][2];
