@@ -149,6 +149,9 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         return _child(args)
+    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
+    if unknown:
+        p.error(f"--configs: unknown {', '.join(unknown)} (known: {', '.join(CONFIGS)})")
     from kvserve.models.loader import default_model_path, load_tokenizer
     from kvserve.worker.kernels import cpu
 
