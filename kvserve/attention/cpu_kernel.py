@@ -97,20 +97,21 @@ static inline void load_row(const void *base, int64_t idx, int64_t d, int kind, 
     }
 }
 
-/* rows[t] = position t's row of kv heads [kh0, kh0 + w / d) as floats: the cache's own row for a
-   float32 cache, else converted into buf [len * w]. */
-static void gather_rows(const void *cache, const int64_t *table, int64_t len, int64_t block_size, int64_t width,
-                        int64_t kh0, int64_t d, int64_t w, int kind, const float **rows, float *buf) {
-    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b)
-        for (int64_t t = t0, idx = table[b] * block_size * width + kh0 * d; t < len && t < t0 + block_size;
-             ++t, idx += width) {
-            if (kind == ROW_F32) {
-                rows[t] = (const float *)cache + idx;
-            } else {
-                load_row(cache, idx, w, kind, buf + t * w);
-                rows[t] = buf + t * w;
-            }
+/* rows[i] = position t0 + i's row (i < n) of kv heads [kh0, kh0 + w / d) as floats: the cache's own
+   row for a float32 cache, else converted into buf [n * w]. */
+static void gather_rows(const void *cache, const int64_t *table, int64_t t0, int64_t n, int64_t block_size,
+                        int64_t width, int64_t kh0, int64_t d, int64_t w, int kind, const float **rows, float *buf) {
+    int64_t b = t0 / block_size, o = t0 % block_size;
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t idx = (table[b] * block_size + o) * width + kh0 * d;
+        if (kind == ROW_F32) {
+            rows[i] = (const float *)cache + idx;
+        } else {
+            load_row(cache, idx, w, kind, buf + i * w);
+            rows[i] = buf + i * w;
         }
+        if (++o == block_size) { o = 0; ++b; }
+    }
 }
 /* Rows come from blocks scattered in memory (the hardware prefetchers stop at page ends): each
    position's row is fetched PREFETCH_AHEAD positions before it is used. */
@@ -139,22 +140,22 @@ static inline float dot_row(const float *a, const float *b, int64_t d) {
     return s;
 }
 #if defined(__AVX2__)
-/* out[j] [32] = sum_t p[j][t] v[t][..32] for H <= 2 heads (p[j] = p + j * len) that read the same
+/* out[j] [32] += sum_t p[j * ldp + t] v[t][..32] over n rows for H <= 2 heads that read the same
    rows: each row's 32 floats are loaded once for the H heads, 4H independent accumulator chains
    (3 heads would spill: 12 accumulators + 4 rows + 1 weight > 16 registers). */
-static inline __attribute__((always_inline)) void weighted_rows_32(const int H, const float *p, int64_t len,
-        const float **rows, int64_t off, float *out, int64_t ldo) {
+static inline __attribute__((always_inline)) void weighted_rows_32(const int H, const float *p, int64_t ldp,
+        int64_t n, const float **rows, int64_t off, float *out, int64_t ldo) {
     __m256 acc[2][4];
     for (int j = 0; j < H; ++j)
-        for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < len; ++t) {
+        for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_loadu_ps(out + j * ldo + i * 8);
+    for (int64_t t = 0; t < n; ++t) {
         const float *v = rows[t] + off;
-        if (t + PREFETCH_AHEAD < len) __builtin_prefetch(rows[t + PREFETCH_AHEAD] + off);  /* 32 floats: */
-        if (t + PREFETCH_AHEAD < len) __builtin_prefetch(rows[t + PREFETCH_AHEAD] + off + 16);  /* 2 lines */
+        if (t + PREFETCH_AHEAD < n) __builtin_prefetch(rows[t + PREFETCH_AHEAD] + off);  /* 32 floats: */
+        if (t + PREFETCH_AHEAD < n) __builtin_prefetch(rows[t + PREFETCH_AHEAD] + off + 16);  /* 2 lines */
         const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
                      v3 = _mm256_loadu_ps(v + 24);
         for (int j = 0; j < H; ++j) {
-            const __m256 pj = _mm256_broadcast_ss(p + j * len + t);
+            const __m256 pj = _mm256_broadcast_ss(p + j * ldp + t);
             acc[j][0] = _mm256_fmadd_ps(pj, v0, acc[j][0]);
             acc[j][1] = _mm256_fmadd_ps(pj, v1, acc[j][1]);
             acc[j][2] = _mm256_fmadd_ps(pj, v2, acc[j][2]);
@@ -165,49 +166,52 @@ static inline __attribute__((always_inline)) void weighted_rows_32(const int H, 
         for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + j * ldo + i * 8, acc[j][i]);
 }
 #endif
-/* out[j] [d] (row stride d) = sum_t p[j][t] rows[t][off ..] for the g heads j (p[j] = p + j * len)
+/* out[j] [d] (row stride d) += sum_t p[j * ldp + t] rows[t][off ..] over n rows, for the g heads j
    that share one kv head. */
-static void weighted_rows(const float *p, const float **rows, int64_t off, int64_t len, int64_t d, int64_t g,
-                          float *out) {
+static void weighted_rows(const float *p, int64_t ldp, const float **rows, int64_t off, int64_t n, int64_t d,
+                          int64_t g, float *out) {
     int64_t i0 = 0;
 #if defined(__AVX2__)
     for (; i0 + 32 <= d; i0 += 32)
         for (int64_t j = 0; j < g; j += 2) {
-            if (g - j >= 2) weighted_rows_32(2, p + j * len, len, rows, off + i0, out + j * d + i0, d);
-            else weighted_rows_32(1, p + j * len, len, rows, off + i0, out + j * d + i0, d);
+            if (g - j >= 2) weighted_rows_32(2, p + j * ldp, ldp, n, rows, off + i0, out + j * d + i0, d);
+            else weighted_rows_32(1, p + j * ldp, ldp, n, rows, off + i0, out + j * d + i0, d);
         }
 #endif
     if (i0 == d) return;
     for (int64_t j = 0; j < g; ++j) {
         float *oj = out + j * d;
-        memset(oj + i0, 0, sizeof(float) * (d - i0));
-        for (int64_t t = 0; t < len; ++t) {
-            const float pt = p[j * len + t], *v = rows[t] + off;
+        for (int64_t t = 0; t < n; ++t) {
+            const float pt = p[j * ldp + t], *v = rows[t] + off;
             #pragma omp simd
             for (int64_t i = i0; i < d; ++i) oj[i] += pt * v[i];
         }
     }
 }
-/* Scratch floats attend_heads needs in buf for len positions of w floats per row. */
-static inline int64_t attend_buf_floats(int kind, int64_t len, int64_t w) { return kind == ROW_F32 ? 0 : len * w; }
+/* Positions gathered (and, for other dtypes than float32, converted) at a time: bounds the scratch. */
+#define ROWS_CHUNK 256
+/* Scratch floats attend_heads needs in buf for rows of w floats. */
+static inline int64_t attend_buf_floats(int kind, int64_t w) { return kind == ROW_F32 ? 0 : ROWS_CHUNK * w; }
 
 /* Decode attention of one request's query heads that share kv heads [kh0, kh1): qf [hq * d]
    (f32), its block table and length; writes those heads of out [hq * d]. Scores are q.k * scale
    and the output is sum p v * v_scale, so an fp8 cache's per-layer scales cost nothing (fp8
    callers multiply both by 2^8 first: fp8_row_to_f32_lo's 2^-8). Float32 caches are read in
-   place; others are converted once per row. Each position's K row serves all its query heads
-   while in L1; the softmax's exp is vectorized (vexpf); the output sums 32 floats in registers
-   over all positions. Scratch: rows [len], buf [attend_buf_floats], scores [(kh1 - kh0) * g * len]. */
+   place; others are converted ROWS_CHUNK positions at a time. Each position's K row serves all
+   its query heads while in L1; the softmax's exp is vectorized (vexpf); the output sums 32 floats
+   in registers. Scratch: rows [ROWS_CHUNK], buf [attend_buf_floats], scores [(kh1 - kh0) * g * len]. */
 static void attend_heads(const float *qf, const void *k_cache, const void *v_cache, const int64_t *table, int64_t len,
                          int64_t hq, int64_t hkv, int64_t d, int64_t block_size, int kv_kind, float scale,
                          float v_scale, int64_t kh0, int64_t kh1, float *out, const float **rows, float *buf,
                          float *scores) {
     const int64_t g = hq / hkv, width = hkv * d, w = (kh1 - kh0) * d, nh = (kh1 - kh0) * g, j0 = kh0 * g;
-    gather_rows(k_cache, table, len, block_size, width, kh0, d, w, kv_kind, rows, buf);
-    for (int64_t t = 0; t < len; ++t) {
-        prefetch_row(rows, t + PREFETCH_AHEAD, len, w);
-        for (int64_t j = 0; j < nh; ++j) {
-            scores[j * len + t] = dot_row(qf + (j0 + j) * d, rows[t] + (j / g) * d, d) * scale;
+    for (int64_t c0 = 0; c0 < len; c0 += ROWS_CHUNK) {
+        const int64_t n = len - c0 < ROWS_CHUNK ? len - c0 : ROWS_CHUNK;
+        gather_rows(k_cache, table, c0, n, block_size, width, kh0, d, w, kv_kind, rows, buf);
+        for (int64_t t = 0; t < n; ++t) {
+            prefetch_row(rows, t + PREFETCH_AHEAD, n, w);
+            for (int64_t j = 0; j < nh; ++j)
+                scores[j * len + c0 + t] = dot_row(qf + (j0 + j) * d, rows[t] + (j / g) * d, d) * scale;
         }
     }
     for (int64_t j = 0; j < nh; ++j) {
@@ -220,9 +224,13 @@ static void attend_heads(const float *qf, const void *k_cache, const void *v_cac
         #pragma omp simd
         for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
     }
-    gather_rows(v_cache, table, len, block_size, width, kh0, d, w, kv_kind, rows, buf);
-    for (int64_t kh = 0; kh < kh1 - kh0; ++kh)
-        weighted_rows(scores + kh * g * len, rows, kh * d, len, d, g, out + (j0 + kh * g) * d);
+    memset(out + j0 * d, 0, sizeof(float) * nh * d);
+    for (int64_t c0 = 0; c0 < len; c0 += ROWS_CHUNK) {
+        const int64_t n = len - c0 < ROWS_CHUNK ? len - c0 : ROWS_CHUNK;
+        gather_rows(v_cache, table, c0, n, block_size, width, kh0, d, w, kv_kind, rows, buf);
+        for (int64_t kh = 0; kh < kh1 - kh0; ++kh)
+            weighted_rows(scores + kh * g * len + c0, len, rows, kh * d, n, d, g, out + (j0 + kh * g) * d);
+    }
 }
 
 /* q, out: [B, Hq, D] (f32, or bf16 if q_bf16); caches: [num_blocks, block_size, Hkv, D] of kv_kind;
@@ -236,8 +244,8 @@ void paged_decode(const void *q, const void *k_cache, const void *v_cache, void 
     {
         float *qf = malloc(sizeof(float) * hq * d);
         float *acc = malloc(sizeof(float) * hq * d);
-        const float **rows = malloc(sizeof(float *) * max_len);
-        float *buf = malloc(sizeof(float) * (attend_buf_floats(kv_kind, max_len, hkv * d) + 1));
+        const float **rows = malloc(sizeof(float *) * ROWS_CHUNK);
+        float *buf = malloc(sizeof(float) * (attend_buf_floats(kv_kind, hkv * d) + 1));
         float *scores = malloc(sizeof(float) * hq * max_len);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < num_reqs; ++b) {

@@ -114,17 +114,18 @@ def test_c_kernel_leaves_floating_point_state_alone():
 @pytest.mark.parametrize("d", [32, 64, 80, 40])  # 32-float register sums, with and without a tail
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_c_kernel_head_sizes_and_long_contexts(d, dtype):
-    """Wide heads over a few hundred positions, scores spread enough that exp's range matters."""
+    """Wide heads over a few hundred positions (past the kernel's 256-position chunks, with a block
+    size that does not divide them), scores spread enough that exp's range matters."""
     from kvserve.attention import cpu_kernel
 
     g = torch.Generator().manual_seed(d)
-    nb, bs, hkv, hq = 40, 16, 2, 6
+    nb, bs, hkv, hq = 90, 12, 2, 6
     q = torch.randn(3, hq, d, generator=g) * 3
     kc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
     vc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
-    tables = torch.randperm(nb, generator=g)[:36].view(3, 12)
-    lens = torch.tensor([190, 1, 77])
-    out = cpu_kernel.paged_decode(q, kc, vc, tables, lens, 190, d ** -0.5)
+    tables = torch.randperm(nb, generator=g).view(3, 30)
+    lens = torch.tensor([300, 1, 77])
+    out = cpu_kernel.paged_decode(q, kc, vc, tables, lens, 300, d ** -0.5)
     for b in range(3):
         k = kc[tables[b]].reshape(-1, hkv, d)[:lens[b]].float()
         v = vc[tables[b]].reshape(-1, hkv, d)[:lens[b]].float()

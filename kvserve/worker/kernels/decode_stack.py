@@ -117,8 +117,8 @@ void decode_stack(const Layer *layers, int64_t nlayers, const Dims *dm, int64_t 
     const float fp8 = dm->kv_kind == ROW_FP8 ? 256.f : 1.f;  /* attend_heads' fp8 convention */
     #pragma omp parallel num_threads(nthreads)
     {
-        const float **rows = malloc(sizeof(float *) * max_len);
-        float *buf = malloc(sizeof(float) * (attend_buf_floats((int)dm->kv_kind, max_len, d) + 1));
+        const float **rows = malloc(sizeof(float *) * ROWS_CHUNK);
+        float *buf = malloc(sizeof(float) * (attend_buf_floats((int)dm->kv_kind, d) + 1));
         float *scores = malloc(sizeof(float) * g * max_len);
         for (int64_t l = 0; l < nlayers; ++l) {
             const Layer *L = layers + l;
