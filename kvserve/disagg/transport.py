@@ -200,6 +200,9 @@ class KVSender:
         head = {"ok": True, "hashes": entry.hashes, "shape": list(data.shape),
                 "dtype": str(data.dtype).removeprefix("torch."), "shm": None}
         nbytes = data.numel() * data.element_size()
+        # counted before the send: the fetcher may act on the reply before this thread runs again
+        self.bytes_sent += nbytes
+        self.transfers_sent += 1
         if use_shm and nbytes:
             name = f"kvserve-kv-{uuid.uuid4().hex}"
             with open(SHM_DIR / name, "wb") as f:
@@ -209,8 +212,6 @@ class KVSender:
             self._sock.send_multipart([ident, b"", _pack(head)])
         else:
             self._sock.send_multipart([ident, b"", _pack(head), raw], copy=False)
-        self.bytes_sent += nbytes
-        self.transfers_sent += 1
 
     def _reply(self, ident: bytes, msg: dict[str, Any]) -> None:
         self._sock.send_multipart([ident, b"", _pack(msg)])

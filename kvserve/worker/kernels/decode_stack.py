@@ -71,11 +71,10 @@ static inline void share(int64_t n, int64_t *n0, int64_t *n1) {
    block sums / int8 codes go into xs / xq first (thread 0). Ends at a barrier. */
 static void lin_run(const Lin *L, const float *x, int64_t m, float *y, int64_t ldy, float *xs, int8_t *xq) {
     const int64_t nb = L->k / 32;
-    const int int8act = L->int8act && m < PANEL_FROM;
     if (L->kind != LIN_DENSE) {
         #pragma omp single
         {
-            if (int8act) quantize_act(x, L->k, m, L->k, xq, xs + m * nb, xs, xs + 2 * m * nb, 1);
+            if (L->int8act) quantize_act(x, L->k, m, L->k, xq, xs + m * nb, xs, xs + 2 * m * nb, 1);
             else block_sums(x, L->k, m, L->k, xs);
         }  /* implicit barrier */
     }
@@ -91,7 +90,7 @@ static void lin_run(const Lin *L, const float *x, int64_t m, float *y, int64_t l
                 for (int64_t i = 0; i < L->k; ++i) s += wr[i] * xr[i];
                 y[t * ldy + n] = s;
             }
-    } else if (int8act) {
+    } else if (L->int8act) {
         qgemm_int8act((int)L->kind, L->w, L->d, L->c, L->k, xq, xs + m * nb, xs, xs + 2 * m * nb, m, y, ldy, n0, n1);
     } else {
         qgemm_floatact((int)L->kind, L->w, L->d, L->c, L->k, x, L->k, xs, m, y, ldy, n0, n1);

@@ -19,8 +19,9 @@ them, AVX-512VL+VNNI or AVX-VNNI) and a plain C body elsewhere:
     few percent of MKL on the dequantized weight, without writing the whole weight out.
   int8 activations ("int8"): each token's 32-value block becomes int8 codes and a scale, as
     llama.cpp's Q8 dot products do; the weight offset uses the block's exact float sum.
-    Fewer instructions per weight; what it costs in perplexity is in BENCHMARKS.md. Batches of
-    PANEL_FROM tokens or more take the float panel path instead (faster, and exact).
+    Fewer instructions per weight; what it costs in perplexity is in BENCHMARKS.md. Used at every
+    batch size once chosen (mixing them by batch size moved the default model's logprobs further
+    from HF's), though from PANEL_FROM tokens the float panel path is faster.
 `dequantize` writes W as float32 for the dense path (when tuning finds MKL faster).
 """
 
@@ -48,8 +49,7 @@ SOURCE = COMMON_SOURCE + r"""
 #endif
 
 #define TILE 4
-/* From this many tokens float activations take the panel GEMM (qgemm_panels), faster than the
-   int8 kernel too: int8 activations are used below it only. */
+/* From this many tokens float activations take the panel GEMM (qgemm_panels). */
 #define PANEL_FROM 10
 /* The signed codes of block b of a row: nibbles minus 8, or the int8 codes. */
 static inline void codes_of(const uint8_t *wr, int64_t b, int bits, int8_t *out) {
@@ -453,12 +453,11 @@ static void qgemm_floatact(int bits, const uint8_t *wq, const float *wd, const f
 }
 
 /* y = x @ W.T for float32 x [M, K] (row stride ldx): int8act != 0 quantizes x per 32-value block
-   first (scratch from malloc) for batches below PANEL_FROM, else multiplies float activations. */
+   first (scratch from malloc), else multiplies float activations. */
 void qlinear(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t N, int64_t K,
              const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy, int int8act, int nthreads) {
     const int64_t nb = K / 32;
     float *xs = malloc(sizeof(float) * M * nb * 3);
-    int8act = int8act && M < PANEL_FROM;
     int8_t *xq = int8act ? malloc((size_t)(M * K)) : 0;
     if (int8act) quantize_act(x, ldx, M, K, xq, xs + M * nb, xs, xs + 2 * M * nb, nthreads);
     else block_sums(x, ldx, M, K, xs);
