@@ -12,25 +12,15 @@ The host's speed can drift between lines: compare numbers within one line.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
 from kvserve.attention import cpu_kernel
 from kvserve.worker.kernels import qmatmul
+from kvserve.worker.kernels.tuning import _time as best  # best of reps after a warm-up
 
 SHAPES = ((960, 576, 4), (576, 576, 4), (3072, 576, 4), (576, 1536, 4), (49152, 576, 8))
-
-
-def best(fn, reps: int) -> float:
-    fn()
-    t = float("inf")
-    for _ in range(reps):
-        s = time.perf_counter()
-        fn()
-        t = min(t, time.perf_counter() - s)
-    return t
 
 
 def main() -> None:

@@ -27,9 +27,6 @@ SOURCE = COMMON_SOURCE + r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = ((uint32_t)x) << 16; float f; memcpy(&f, &u, 4); return f;
@@ -116,9 +113,9 @@ static void gather_rows(const void *cache, const int64_t *table, int64_t t0, int
 /* Rows come from blocks scattered in memory (the hardware prefetchers stop at page ends): each
    position's row is fetched PREFETCH_AHEAD positions before it is used. */
 #define PREFETCH_AHEAD 8
-static inline void prefetch_row(const float **rows, int64_t t, int64_t len, int64_t w) {
+static inline void prefetch_row(const float **rows, int64_t t, int64_t len, int64_t off, int64_t w) {
     if (t < len)
-        for (int64_t c = 0; c < w; c += 16) __builtin_prefetch(rows[t] + c);  /* 16 floats: a line */
+        for (int64_t c = 0; c < w; c += 16) __builtin_prefetch(rows[t] + off + c);  /* 16 floats: a line */
 }
 /* a . b over d floats. */
 static inline float dot_row(const float *a, const float *b, int64_t d) {
@@ -150,8 +147,7 @@ static inline __attribute__((always_inline)) void weighted_rows_32(const int H, 
         for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_loadu_ps(out + j * ldo + i * 8);
     for (int64_t t = 0; t < n; ++t) {
         const float *v = rows[t] + off;
-        if (t + PREFETCH_AHEAD < n) __builtin_prefetch(rows[t + PREFETCH_AHEAD] + off);  /* 32 floats: */
-        if (t + PREFETCH_AHEAD < n) __builtin_prefetch(rows[t + PREFETCH_AHEAD] + off + 16);  /* 2 lines */
+        prefetch_row(rows, t + PREFETCH_AHEAD, n, off, 32);
         const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
                      v3 = _mm256_loadu_ps(v + 24);
         for (int j = 0; j < H; ++j) {
@@ -209,7 +205,7 @@ static void attend_heads(const float *qf, const void *k_cache, const void *v_cac
         const int64_t n = len - c0 < ROWS_CHUNK ? len - c0 : ROWS_CHUNK;
         gather_rows(k_cache, table, c0, n, block_size, width, kh0, d, w, kv_kind, rows, buf);
         for (int64_t t = 0; t < n; ++t) {
-            prefetch_row(rows, t + PREFETCH_AHEAD, n, w);
+            prefetch_row(rows, t + PREFETCH_AHEAD, n, 0, w);
             for (int64_t j = 0; j < nh; ++j)
                 scores[j * len + c0 + t] = dot_row(qf + (j0 + j) * d, rows[t] + (j / g) * d, d) * scale;
         }
