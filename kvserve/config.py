@@ -99,6 +99,8 @@ class ModelConfig:
     generation_config: str = "auto"
     # auto: cpu (the C kernels) on a CPU, torch elsewhere (resolve_attention_backend)
     attention_backend: str = "auto"
+    # the most logprobs / prompt_logprobs a request may ask for (vLLM's max_logprobs); -1: the vocabulary
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         from kvserve.quant.base import check_method
@@ -111,6 +113,7 @@ class ModelConfig:
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 1)
         _check_int("seed", self.seed, 0)
+        _check_int("max_logprobs", self.max_logprobs, -1)
 
 
 @dataclass(frozen=True)

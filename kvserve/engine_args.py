@@ -115,6 +115,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("prefix_cache", "cache.prefix_cache", "hash", "prefix cache structure: hash chain or radix tree",
          choices=PREFIX_CACHES),
     Flag("seed", "model.seed", 0, "random seed of the engine", type=int),
+    Flag("max_logprobs", "model.max_logprobs", 20,
+         "the most logprobs / prompt_logprobs a request may ask for (-1: the whole vocabulary)", type=int),
     Flag("generation_config", "model.generation_config", "auto",
          "sampling defaults for requests that omit a field: auto (the model's generation_config.json, "
          "or a GGUF file's general.sampling.* keys), none (kvserve's own), or a directory holding a "

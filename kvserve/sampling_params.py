@@ -6,9 +6,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_LOGPROBS = 20
-
-
 # Integers travel to the engine process (msgpack) and into torch generators: 64-bit signed.
 _INT_LIMIT = 2**63
 
@@ -112,8 +109,8 @@ class SamplingParams:
             raise ValueError(f"seed must be non-negative, got {self.seed}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and not 0 <= v <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {v}")
+            if v is not None and v < 0:  # the most an engine gives is its max_logprobs (EngineCore.validate)
+                raise ValueError(f"{name} must be non-negative, got {v}")
 
     @property
     def greedy(self) -> bool:

@@ -15,10 +15,11 @@ Reported per configuration:
 - TTFT p50 / mean (engine metrics: first token time - arrival) of the measured requests;
 - KL(full || config) of the next-token distributions over a 32-token answer, teacher-forced on the
   full prefill's greedy answer: the prompt plus the answer's first k tokens, for k = 0..31, each a
-  one-token request with the top 20 logprobs. The reference is a plain engine with prefix
-  caching (exact K/V). The KL is taken over the reference's top 20 tokens; a token missing
-  from the configuration's top list is given that list's smallest logprob (a bound). It is an
-  approximation of the full-vocabulary KL, the same for every configuration;
+  one-token request with the top 1000 logprobs. The reference is a plain engine with prefix
+  caching (exact K/V). The KL is taken over the reference's top 1000 tokens plus one bucket for
+  the rest of the vocabulary (a lower bound of the full KL; the top 1000 hold nearly all the mass
+  on these answers); a token missing from the configuration's top list is given that list's
+  smallest logprob;
 - greedy agreement: the configuration's own greedy answer (32 tokens) against the reference's, as
   the share of positions equal before the first difference, and the share of answers equal;
 - the blend's measured check-layer deviation (mean relative K/V deviation), for the quality guard.
@@ -41,7 +42,7 @@ from kvserve.blend.chunks import make_spec
 from kvserve.config import BLEND_SEPARATOR
 
 SYSTEM = "You answer the question from the documents below. Be precise and brief."
-LOGPROBS = 20  # SamplingParams.MAX_LOGPROBS
+LOGPROBS = 1000  # top tokens per position compared (the engines get max_logprobs=LOGPROBS)
 ANSWER = 32
 
 
@@ -111,9 +112,15 @@ def top(out) -> dict[int, float]:
 
 
 def kl(ref: dict[int, float], got: dict[int, float]) -> float:
+    """KL(ref || got) over the reference's top tokens plus one bucket for the rest of the vocabulary:
+    a lower bound of the full-vocabulary KL, exact as the lists grow. A token missing from `got`'s
+    list takes that list's smallest logprob."""
     floor = min(got.values())
-    total = sum(math.exp(v) for v in ref.values())
-    return sum(math.exp(p) / total * (p - got.get(t, floor)) for t, p in ref.items())
+    p = [math.exp(v) for v in ref.values()]
+    q = [math.exp(got.get(t, floor)) for t in ref]
+    p_rest, q_rest = max(1.0 - sum(p), 0.0), max(1.0 - sum(q), 1e-12)
+    out = sum(a * math.log(a / b) for a, b in zip(p, q) if a > 0)
+    return out + (p_rest * math.log(p_rest / q_rest) if p_rest > 0 else 0.0)
 
 
 def agreement(a: list[int], b: list[int]) -> float:
@@ -124,7 +131,7 @@ def agreement(a: list[int], b: list[int]) -> float:
 
 
 def run_config(name: str, kw: dict, args, prompts: list[str], warm: list[str], ref: list[dict] | None) -> dict:
-    llm = LLM(args.model, kv_cache_memory=args.kv_cache_memory, **kw,
+    llm = LLM(args.model, kv_cache_memory=args.kv_cache_memory, max_logprobs=LOGPROBS, **kw,
               **({"blend_max_deviation": args.max_deviation} if kw.get("enable_blending") else {}))
     tok = llm.engine.tokenizer
     salt = name
@@ -161,7 +168,7 @@ def run_config(name: str, kw: dict, args, prompts: list[str], warm: list[str], r
 def reference(args, prompts: list[str], warm: list[str]) -> list[dict]:
     """The full prefill's greedy answers and next-token distributions along them (prefix caching on:
     the K/V are exact)."""
-    llm = LLM(args.model, kv_cache_memory=args.kv_cache_memory)
+    llm = LLM(args.model, kv_cache_memory=args.kv_cache_memory, max_logprobs=LOGPROBS)
     tok = llm.engine.tokenizer
     out = []
     for p in prompts:

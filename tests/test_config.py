@@ -19,7 +19,7 @@ EXAMPLES = {
     "attention_backend": "torch",
     "max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 32,
     "kv_cache_memory": "3GiB", "num_kv_blocks": 100, "enable_prefix_caching": False, "prefix_cache": "radix",
-    "seed": 7, "device": "cuda", "check_integrity": True, "generation_config": "none",
+    "seed": 7, "max_logprobs": -1, "device": "cuda", "check_integrity": True, "generation_config": "none",
     "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "enable_expert_parallel": True,
     "distributed_executor_backend": "ray", "cpu_threads_bind": "0-3", "cpu_threads": 3,
     "kv_offload_cpu": "8GiB", "kv_offload_disk": "/tmp/kv", "kv_offload_disk_size": "10GiB",

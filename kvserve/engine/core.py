@@ -228,6 +228,12 @@ class EngineCore:
             self.scheduler.add_request(child)
         return request_id
 
+    @property
+    def max_logprobs(self) -> int:
+        """The most logprobs a request may ask for (--max-logprobs; -1 there is the vocabulary)."""
+        k = self.config.model.max_logprobs
+        return self.vocab_size if k < 0 else k
+
     def validate(self, ids: list[int], params: SamplingParams, priority: int = 0,
                  cache_salt: str | None = None) -> int:
         """Raise ValueError naming the field if the request can never run; returns its max_tokens."""
@@ -244,6 +250,10 @@ class EngineCore:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.max_logprobs:
+                raise ValueError(f"{name} must be at most {self.max_logprobs} (the engine's max_logprobs), got {k}")
         check_transfer_params(transfer_params(params), self.config.kv_transfer, params.n)
         n_prompt = len(ids)
         check_blend_spec(blend_spec(params), self.config.blend, n_prompt, self.hf_config.num_hidden_layers)

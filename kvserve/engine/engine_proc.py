@@ -87,6 +87,7 @@ class ModelInfo:
     num_kv_blocks: int
     eos_token_id: int | None
     pid: int
+    max_logprobs: int = 20  # the most (prompt) logprobs a request may ask for
     # With --kv-events-endpoint: endpoint, replay_endpoint, model_fingerprint, hash_scheme (GET /kv_events)
     kv_events: dict[str, Any] | None = None
     # The model's sampling defaults for requests that omit a field (--generation-config), e.g.
@@ -445,7 +446,7 @@ def ready_message(engine, config: EngineConfig) -> dict[str, Any]:
     info = ModelInfo(model=config.model.model, model_path=str(engine.model_path),
                      max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
                      block_size=engine.kv.block_size, num_kv_blocks=engine.kv.num_blocks,
-                     eos_token_id=engine.eos_token_id, pid=os.getpid(), kv_events=kv_events_info(engine),
+                     eos_token_id=engine.eos_token_id, pid=os.getpid(), max_logprobs=engine.max_logprobs, kv_events=kv_events_info(engine),
                      generation_defaults=engine.generation_defaults,
                      blend=blend_info(config.blend, engine.hf_config.num_hidden_layers))
     return {"type": READY, **asdict(info)}

@@ -163,6 +163,11 @@ class Serving:
             room = self.info.max_model_len - longest_prompt
             max_tokens = min(defaults["max_tokens"], room) if room >= 1 else defaults["max_tokens"]
         extra = {"kv_transfer_params": req.kv_transfer_params} if req.kv_transfer_params is not None else None
+        chat = isinstance(req, P.ChatCompletionRequest)
+        for name, k in (("top_logprobs" if chat else "logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if k is not None and k > self.info.max_logprobs:
+                raise APIError(400, f"{name} must be at most {self.info.max_logprobs} (the server's --max-logprobs), "
+                               f"got {k}", param=name)
         try:
             return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs,
                                   prompt_logprobs=prompt_logprobs, extra_args=extra)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -26,8 +27,8 @@ def llm(tiny_model_factory):
     ({"top_k": -2}, "top_k"),
     ({"n": 0}, "n"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"logprobs": 21}, "logprobs"),
-    ({"prompt_logprobs": 50}, "prompt_logprobs"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"prompt_logprobs": -2}, "prompt_logprobs"),
     ({"min_p": 2.0}, "min_p"),
     ({"temperature": "hot"}, "temperature"),
     ({"n": 1.5}, "n"),
@@ -41,6 +42,26 @@ def llm(tiny_model_factory):
 def test_sampling_params_errors_name_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"\b{field}\b"):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field", [({"logprobs": 21}, "logprobs"), ({"prompt_logprobs": 50}, "prompt_logprobs")])
+def test_logprobs_over_the_engines_max(llm, kwargs, field):
+    with pytest.raises(ValueError, match=rf"\b{field} must be at most 20"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, **kwargs), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_max_logprobs_whole_vocabulary(tiny_model_factory):
+    """max_logprobs=-1 (vLLM's): a request may ask for every token's logprob, and they sum to 1."""
+    llm = LLM(model=str(tiny_model_factory("llama")), dtype="float32", num_kv_blocks=32, max_logprobs=-1)
+    vocab = llm.engine.vocab_size
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, logprobs=vocab, prompt_logprobs=vocab),
+                       use_tqdm=False)[0]
+    for dist in (out.outputs[0].logprobs[0], out.prompt_logprobs[1]):
+        assert len(dist) == vocab
+        assert abs(sum(math.exp(lp.logprob) for lp in dist.values()) - 1) < 1e-4
+    with pytest.raises(ValueError, match="max_logprobs"):
+        LLM(model=str(tiny_model_factory("llama")), num_kv_blocks=32, max_logprobs=-2)
 
 
 @pytest.mark.parametrize("prompt, match", [

@@ -116,6 +116,10 @@ def test_errors(server, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=100_000)
     assert "max_model_len" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # over the server's --max-logprobs (20)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       logprobs=True, top_logprobs=21)
+    assert e.value.body["param"] == "top_logprobs" and "at most 20" in e.value.message
     status, raw = _http("POST", f"{server}/v1/completions", b"{not json")
     assert status == 400
     body = json.loads(raw)["error"]
