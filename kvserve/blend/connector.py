@@ -14,12 +14,14 @@ request is scheduled, each chunk's blocks are looked up (device, then tiers) and
 blocks found nowhere are allocated and computed on their own first, in the same step (a warm-up),
 so the cache has them next time. The plan goes to the worker half (forward.py), which copies the
 chunks' K/V into the request's blocks re-rotated to their positions, recomputes every token of the
-span through the first layers, picks the tokens whose K/V deviate most from the reused copy, and
-recomputes those through the remaining layers. The rest of the prompt (the question after the
-last chunk) runs in the step's ordinary forward.
+span through the first layers, picks the tokens whose V moved most from the reused copy, weighed
+by the attention the question pays them, and recomputes those through the remaining layers. The
+rest of the prompt (the question after the last chunk) runs in the step's ordinary forward.
 
 The span's blocks hold approximate K/V: the request keys them apart in the prefix cache
-(`Request.approx_from_block`), so a plain prefill never reuses them.
+(`Request.approx_from_block`), so a plain prefill never reuses them. (A later prompt with the same
+chunks in the same order but another question reuses them as they are, picked for the first
+question.)
 """
 
 from __future__ import annotations
@@ -69,10 +71,13 @@ class BlendPlan:
     """One request's span [start, end): its blocks, the chunks that supply K/V, and the knobs."""
 
     request_id: str
-    token_ids: list[int]  # the prompt up to `end`
+    token_ids: list[int]  # the prompt up to `query_end`
     block_ids: list[int]
     start: int
     end: int
+    # the prompt's tokens [end, query_end) run in this step's ordinary forward after the blend (the
+    # question after the last chunk): the attention they pay the span ranks the tokens to recompute
+    query_end: int
     sources: list[ChunkSource]
     forced: list[tuple[int, int]]  # prompt spans always recomputed (chunks' first tokens)
     recompute_ratio: float
@@ -153,7 +158,7 @@ class BlendConnector(KVConnector, KVConnectorWorker):
         ratio = spec.get("recompute_ratio")
         layer = spec.get("check_layer")
         self._step.plans.append(BlendPlan(
-            request.request_id, request.prompt_token_ids[:end], list(request.block_ids), start, end, sources, forced,
+            request.request_id, request.prompt_token_ids[:end], list(request.block_ids), start, end, end, sources, forced,
             self.cfg.recompute_ratio if ratio is None else ratio, self.cfg.check_layer if layer is None else layer,
             self.cfg.max_deviation))
         self._requests[request.request_id] = request
@@ -189,6 +194,10 @@ class BlendConnector(KVConnector, KVConnectorWorker):
 
     def build_meta(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> BlendStepMeta | None:
         meta, self._step = self._step, BlendStepMeta()
+        for plan in meta.plans:  # the prompt tokens after the span that this step computes
+            req = requests[plan.request_id]
+            plan.query_end = max(plan.end, min(req.num_computed_tokens, req.num_prompt_tokens))
+            plan.token_ids = req.prompt_token_ids[:plan.query_end]
         return meta if meta.plans or meta.warmups else None
 
     def start_load(self, request: Request, num_device_blocks: int) -> bool:

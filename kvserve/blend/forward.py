@@ -6,10 +6,15 @@ For one span [start, end) of a request (connector.py's BlendPlan):
    every layer, K re-rotated by the chunk's offset: RoPE at position o + j is RoPE at j followed by
    a rotation by o, so this is exact up to rounding.
 2. Every token of the span runs through layers 0..check_layer, writing fresh K/V there.
-3. At the check layer each reused token's fresh K/V are compared with the reused copy; the tokens
-   whose V moved most are picked, with every token no chunk supplied (separators, chunk tails,
-   text between chunks) and the forced ones (chunks' first tokens), up to the recompute ratio. When
-   the mean relative K/V deviation exceeds max_deviation (the quality guard) every token is picked.
+3. At the check layer each reused token's fresh K/V are compared with the reused copy. The question
+   (the prompt's tokens after the span that this step computes) runs through every layer over the
+   reused K/V, and the attention it pays each span token there, summed over the layers after the
+   check layer, weighs that token's V movement: the tokens with the largest attention x |dV| are
+   picked (a token the question does not read cannot move the answer however far it moved; one it
+   reads moves it in proportion to its error). Every token no chunk supplied (separators, chunk
+   tails, text between chunks) and the forced ones (chunks' first tokens) are picked too, up to the
+   recompute ratio. When the mean relative K/V deviation exceeds max_deviation (the quality
+   guard) every token is picked.
 4. The picked tokens continue through the remaining layers from their check-layer hidden states,
    each attending to the keys up to its own position; the others keep the reused K/V there.
 
@@ -133,6 +138,54 @@ def _copy_chunks(runner, plan: BlendPlan, dst_slots: torch.Tensor) -> torch.Tens
     return reused
 
 
+QUERY_ROWS = 32  # question tokens scored at a time (bounds the [rows, heads, positions] scores)
+
+
+def attention_mass(q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """[P]: the causal attention probabilities that queries q [T, H, D] (at q_positions [T]) pay keys
+    k [P, Hkv, D] (at positions 0..P-1), summed over queries and heads (grouped-query heads share
+    a key head)."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    future = torch.arange(k.shape[0], device=k.device)[None, :] > q_positions[:, None]  # [T, P]
+    total = torch.zeros(k.shape[0], dtype=torch.float32, device=k.device)
+    for a in range(0, q.shape[0], QUERY_ROWS):
+        s = torch.einsum("thd,phd->htp", q[a:a + QUERY_ROWS].float(), k.float()) * scale
+        total += s.masked_fill(future[None, a:a + QUERY_ROWS], float("-inf")).softmax(dim=-1).sum(dim=(0, 1))
+    return total
+
+
+def _question_attention(runner, plan: BlendPlan, check: int) -> torch.Tensor | None:
+    """[end - start] float32: the attention the question's tokens [end, query_end) pay each span
+    token, summed over heads, question tokens and the layers after `check` (where the span still
+    holds the reused K/V). The question runs through every layer to get its queries there; the K/V
+    it writes on the way are rewritten by the step's forward. None when there is no question."""
+    if plan.query_end <= plan.end or check + 1 >= len(runner.kv_caches):
+        return None
+    bs, dev = runner.block_size, runner.device
+    model = runner.model.model
+    num_layers = len(runner.kv_caches)
+    ids = torch.tensor(plan.token_ids[plan.end:plan.query_end], dtype=torch.int64, device=dev)
+    positions = torch.arange(plan.end, plan.query_end)
+    meta = _prefill_meta(runner, [plan.block_ids], [len(ids)], [plan.query_end],
+                         _slots(plan.block_ids, positions, bs))
+    queries: dict[int, torch.Tensor] = {}
+    hooks = [model.layers[i].self_attn.attn.register_forward_pre_hook(
+        lambda _m, args, i=i: queries.__setitem__(i, args[0].float().clone())) for i in range(check + 1, num_layers)]
+    try:  # two calls: one over every layer could take the decode stack, which calls no hooks
+        hidden = runner.model(ids, positions.to(dev), runner.kv_caches, meta, layers=(0, check + 1))
+        runner.model(ids, positions.to(dev), runner.kv_caches, meta, hidden, layers=(check + 1, num_layers))
+    finally:
+        for h in hooks:
+            h.remove()
+    keys = _slots(plan.block_ids, torch.arange(plan.query_end), bs).to(dev)
+    total = torch.zeros(plan.query_end, dtype=torch.float32, device=dev)
+    for i, q in queries.items():
+        attn = model.layers[i].self_attn.attn
+        k = _read(runner.kv_caches[i][0], keys, _scales(runner, i)[0])
+        total += attention_mass(q.view(len(ids), attn.num_heads, attn.head_dim), k, positions.to(dev), attn.scale)
+    return total[plan.start:plan.end].cpu()
+
+
 def _blend(runner, plan: BlendPlan) -> BlendResult:
     bs, dev = runner.block_size, runner.device
     n = plan.end - plan.start
@@ -168,10 +221,13 @@ def _blend(runner, plan: BlendPlan) -> BlendResult:
         else:
             extra = want - int(picked.sum())
             if extra > 0:
-                # Ranked by how far V moved: measured on ShareGPT RAG prompts (BENCHMARKS.md) it beats
-                # K, K + V, and relative K + V deviation at the same ratio.
-                score = ((new_v - old_v) ** 2).sum(dim=(1, 2)).cpu().masked_fill(~reused, float("-inf"))
-                picked[torch.topk(score, extra).indices] = True
+                # Ranked by the question's attention x how far V moved (measured on ShareGPT RAG
+                # prompts, BENCHMARKS.md: KL 0.14x naive reuse's at 15%, against 0.49x for |dV| alone).
+                score = ((new_v - old_v) ** 2).sum(dim=(1, 2)).sqrt().cpu()
+                attention = _question_attention(runner, plan, check)
+                if attention is not None:
+                    score = score * attention
+                picked[torch.topk(score.masked_fill(~reused, float("-inf")), extra).indices] = True
         first = check + 1
     sel = picked.nonzero().flatten()
     if len(sel) and first < num_layers:

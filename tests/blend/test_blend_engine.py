@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.blend.forward import _rotation
+from kvserve.blend.forward import _rotation, attention_mass
 from kvserve.layers.rotary import apply_rotary
 from kvserve.request import Request
 from tests.conftest import build_tiny_model
@@ -205,3 +205,22 @@ def test_chunks_come_back_from_the_kv_tiers(model):
     assert stats["blend_warmup_tokens"] == warm  # nothing computed again
     assert out.num_cached_tokens_by_tier["blended"] > 0
     _idle(llm)
+
+
+@pytest.mark.parametrize("heads, kv_heads, rows", [(4, 2, 5), (3, 3, 40)])
+def test_attention_mass_is_the_questions_softmax_summed(heads, kv_heads, rows):
+    """What ranks the tokens to recompute: each query's causal softmax over the keys, per head
+    (grouped-query heads reading their key head), summed; 40 rows cross the QUERY_ROWS chunking."""
+    g = torch.Generator().manual_seed(0)
+    num_keys, dim, scale = 60, 8, 8 ** -0.5
+    q = torch.randn(rows, heads, dim, generator=g)
+    k = torch.randn(num_keys, kv_heads, dim, generator=g)
+    positions = torch.arange(num_keys - rows, num_keys)
+    want = torch.zeros(num_keys)
+    for t in range(rows):
+        for h in range(heads):
+            keys = k[:positions[t] + 1, h // (heads // kv_heads)]
+            want[:positions[t] + 1] += torch.softmax(keys @ q[t, h] * scale, dim=0)
+    got = attention_mass(q, k, positions, scale)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert got.sum().item() == pytest.approx(rows * heads, rel=1e-5)
