@@ -30,6 +30,10 @@ class AttentionMetadata:
     # the last ones of its context (a blend's recomputed tokens, blend/): each sees the keys up to its
     # own position. None: they are the last ones. The triton backend refuses it.
     query_positions: torch.Tensor | None = None
+    # [B + 1] int32 on the device: query_start_loc, made by whoever fills the batch (the model
+    # runner; a CUDA graph's static buffer) so a backend need not copy the list over each step.
+    # None: the backend builds it from query_start_loc.
+    query_start_tensor: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:
