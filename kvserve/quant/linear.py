@@ -20,20 +20,26 @@ this AVX-512/AMX CPU (table in the issue note):
   1 token: fp8 saves memory, not time, on CPU). CUDA: torch._scaled_mm with per-token
   dynamic activation scales (sm89+, bf16).
 
-Shapes the int4 kernel rejects (out % 16, groups other than 32..256, non-CPU devices)
-dequantize per call from compact storage (4-bit: two codes per byte).
+CUDA: int4 and int8 weights (group-wise, and int8 per channel as one group) keep compact
+storage (uint8 codes, 4-bit two per byte, float32 scale / offset per group) and run through a
+Triton GEMM that reads the codes in place (quant/triton_matmul.py; groups that are multiples of
+16, or one per row). Without triton, and on CPU shapes the int4 kernel rejects (out % 16, groups
+other than 32..256), the same storage is dequantized per call. CPU serving never takes the
+Triton path; tests build it there under Triton's interpreter (TRITON_ON_CPU).
 """
 
 from __future__ import annotations
 
 import logging
 from functools import cache, lru_cache
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention.backend import FP8_MAX, saturate_fp8
+from kvserve.config import triton_interpreting
 from kvserve.quant.base import Fp8Weight, QuantizedWeight
 from kvserve.worker.kernels import qmatmul, tuning
 
@@ -43,6 +49,23 @@ INT4_DEQUANT_MIN_TOKENS = 128  # tokens from which unpack + matmul beats the int
 INT8_PLANES_DEQUANT_MIN_TOKENS = 64  # the same for 8-bit codes as two int4 planes (twice the kernel work)
 INT8_DEQUANT_MIN_TOKENS = 32  # tokens from which F.linear on int8 codes beats _weight_int8pack_mm
 _KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes _weight_int4pack_mm_for_cpu accepts
+TRITON_ON_CPU = False  # tests set it (under TRITON_INTERPRET=1) to build the "triton" path on a CPU
+
+
+@cache
+def _triton_matmul() -> ModuleType | None:
+    """kvserve.quant.triton_matmul if triton imports; imported on first need (triton is a heavy import)."""
+    from kvserve.quant import triton_matmul
+    return triton_matmul if triton_matmul.triton is not None else None
+
+
+def _triton_path(in_features: int, group_size: int, device: torch.device) -> bool:
+    """Group codes run through the Triton GEMM: on CUDA when triton imports; on a CPU only in
+    Triton's interpreter when a test asks (TRITON_ON_CPU), so CPU serving keeps its C kernels."""
+    if device.type != "cuda" and not (device.type == "cpu" and TRITON_ON_CPU and triton_interpreting()):
+        return False
+    tm = _triton_matmul()
+    return tm is not None and tm.supports(in_features, group_size)
 
 
 def _kernel_group(group_size: int, out_features: int, device: torch.device) -> int | None:
@@ -136,13 +159,17 @@ class _QuantLinear(nn.Module):
 
 
 class _GroupCodes(_QuantLinear):
-    """Integer codes with per-group scale/offset, either packed for the CPU int4 kernel
-    (`planes` 4-bit planes of the input dim: 1 for 4-bit, 2 for 8-bit codes) or kept compact
-    (uint8 codes, two 4-bit codes per byte) and dequantized per call."""
+    """Integer codes with per-group scale/offset: blocks for the C kernel, packed for the CPU int4
+    kernel (`planes` 4-bit planes of the input dim: 1 for 4-bit, 2 for 8-bit codes), or kept
+    compact (uint8 codes, two 4-bit codes per byte) and read by the Triton GEMM or dequantized
+    per call."""
 
     def _init_codes(self, qw: QuantizedWeight, planes: int, device: torch.device) -> None:
         out, n_in = qw.shape
         self.planes = planes
+        if _triton_path(n_in, qw.group_size, device):
+            self._init_compact(qw, "triton", device)
+            return
         if qmatmul.supports(n_in, qw.group_size, device):
             self.path = "blocks"
             self.bits = qw.bits
@@ -155,18 +182,10 @@ class _GroupCodes(_QuantLinear):
             self.activations, self.dense_from = "float32", tuning.DEFAULT_DENSE_FROM
             return
         self.group = _kernel_group(qw.group_size, out, device)
-        q = qw.q.to(torch.int32)
         if self.group is None:
-            self.path = "dequantize"
-            self.group = qw.group_size
-            codes = q.to(torch.uint8)
-            if qw.bits == 4:
-                codes = codes[:, 0::2] | (codes[:, 1::2] << 4) if n_in % 2 == 0 else codes
-            self.register_buffer("codes", codes.to(device))
-            self.register_buffer("scale", qw.scale.float().to(device))
-            self.register_buffer("offset", qw.offset.float().to(device))
-            self.bits = qw.bits
+            self._init_compact(qw, "dequantize", device)
             return
+        q = qw.q.to(torch.int32)
         self.path = "int4 kernel"
         factor = qw.group_size // self.group
         scale, offset = _split_groups(qw.scale.float(), factor), _split_groups(qw.offset.float(), factor)
@@ -178,6 +197,17 @@ class _GroupCodes(_QuantLinear):
             q = torch.cat([q >> 4, q & 15], 1)
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1).to(device))
         self.register_buffer("scales_zeros", sz.transpose(0, 1).contiguous().to(device=device, dtype=self.dtype))
+
+    def _init_compact(self, qw: QuantizedWeight, path: str, device: torch.device) -> None:
+        """Compact storage for the "triton" and "dequantize" paths: uint8 codes [out, in], 4-bit
+        ones two per byte (low nibble = even column) when `in` is even, float32 scale / offset."""
+        self.path, self.group, self.bits = path, qw.group_size, qw.bits
+        codes = qw.q.to(torch.uint8)
+        if qw.bits == 4 and qw.shape[1] % 2 == 0:
+            codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        self.register_buffer("codes", codes.contiguous().to(device))
+        self.register_buffer("scale", qw.scale.float().contiguous().to(device))
+        self.register_buffer("offset", qw.offset.float().contiguous().to(device))
 
     def _codes_t(self) -> torch.Tensor:
         """Kernel path: integer codes transposed, uint8 [in, out]."""
@@ -200,22 +230,27 @@ class _GroupCodes(_QuantLinear):
         w = self._codes_t().float().view(groups, self.group, self.out_features)
         return w.mul_(s[:, None]).add_(o[:, None]).view(self.in_features, self.out_features).to(dtype)
 
-    def _compact_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """Dequantize path: W_stored [out, in] in `dtype` (arithmetic in float32)."""
-        codes = self.codes
+    def _compact_weight(self, dtype: torch.dtype, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Compact paths: W_stored [out, in] (rows `ids` only, if given) in `dtype`, arithmetic in float32."""
+        codes, scale, offset = self.codes, self.scale, self.offset
+        if ids is not None:
+            codes, scale, offset = codes.index_select(0, ids), scale.index_select(0, ids), offset.index_select(0, ids)
+        n = codes.shape[0]
         if self.bits == 4 and codes.shape[1] != self.in_features:
-            codes = torch.stack([codes & 15, codes >> 4], -1).view(self.out_features, self.in_features)
+            codes = torch.stack([codes & 15, codes >> 4], -1).view(n, self.in_features)
         groups = self.in_features // self.group
-        w = codes.view(self.out_features, groups, self.group).float() * self.scale[..., None] + self.offset[..., None]
-        return w.view(self.out_features, self.in_features).to(dtype)
+        w = codes.view(n, groups, self.group).float() * scale[..., None] + offset[..., None]
+        return w.view(n, self.in_features).to(dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W (stored column order) in float32: an embedding lookup in a compressed table."""
+        ids = ids.reshape(-1)
         if self.path == "blocks":
-            ids = ids.reshape(-1)
             return qmatmul.reference(qmatmul.Blocks(self.codes.index_select(0, ids), self.d.index_select(0, ids),
                                                     self.c.index_select(0, ids), self.bits))
-        return self._stored_weight().index_select(0, ids.reshape(-1))
+        if self.path in ("dequantize", "triton"):
+            return self._compact_weight(torch.float32, ids)
+        return self._stored_weight().index_select(0, ids)
 
     def blocks(self) -> qmatmul.Blocks:
         """Blocks path: the weight as qmatmul reads it (built once; again if the buffers were moved)."""
@@ -230,6 +265,8 @@ class _GroupCodes(_QuantLinear):
             if x.shape[0] >= self.dense_from:
                 return F.linear(x, qmatmul.dequantize(self.blocks()).to(x.dtype))
             return qmatmul.matmul(x.float(), self.blocks(), self.activations).to(x.dtype)
+        if self.path == "triton":
+            return _triton_matmul().matmul(x, self.codes, self.scale, self.offset, self.group)
         if self.path == "dequantize":
             return F.linear(x, self._compact_weight(x.dtype))
         if x.shape[0] >= (INT4_DEQUANT_MIN_TOKENS if self.planes == 1 else INT8_PLANES_DEQUANT_MIN_TOKENS):
@@ -240,7 +277,7 @@ class _GroupCodes(_QuantLinear):
     def _stored_weight(self) -> torch.Tensor:
         if self.path == "blocks":
             return qmatmul.reference(self.blocks())
-        if self.path == "dequantize":
+        if self.path in ("dequantize", "triton"):
             return self._compact_weight(torch.float32)
         return self._weight_t(torch.float32).t().contiguous()
 
@@ -259,8 +296,8 @@ class Int4Linear(_GroupCodes):
 
 class Int8Linear(_GroupCodes):
     """8-bit weights. One group per output channel: int8 codes (q - 128) with a per-channel
-    scale, plus a rank-one term for asymmetric offsets. Smaller groups: two 4-bit planes
-    through the int4 kernel (see the module docstring)."""
+    scale, plus a rank-one term for asymmetric offsets (the group-code paths "blocks" and
+    "triton" take it as one group instead). Smaller groups: the group-code paths."""
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype,
                  device: str | torch.device = "cpu") -> None:
@@ -270,7 +307,8 @@ class Int8Linear(_GroupCodes):
         out, n_in = qw.shape
         super().__init__(out, n_in, qw.perm, bias, dtype, device)
         self.per_channel = qw.group_size == n_in
-        if not self.per_channel or qmatmul.supports(n_in, qw.group_size, device):
+        if (not self.per_channel or qmatmul.supports(n_in, qw.group_size, device)
+                or _triton_path(n_in, qw.group_size, device)):
             self._init_codes(qw, 2, device)
             return
         self.path = "int8 kernel" if device.type == "cpu" else "dequantize"
@@ -280,8 +318,12 @@ class Int8Linear(_GroupCodes):
         shift = qw.offset[:, 0].float() + 128 * scale  # W = (q - 128) * s + shift
         self.register_buffer("shift", None if qw.symmetric else shift.to(device=device, dtype=dtype))
 
+    def _group_codes(self) -> bool:
+        """Built by _GroupCodes._init_codes, not as int8 codes with a per-channel scale."""
+        return not self.per_channel or self.path in ("blocks", "triton")
+
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.per_channel or self.path == "blocks":
+        if self._group_codes():
             return super()._matmul(x)
         if self.path == "int8 kernel" and x.shape[0] < INT8_DEQUANT_MIN_TOKENS:
             y = torch._weight_int8pack_mm(x, self.weight_int8, self.weight_scale)
@@ -292,7 +334,7 @@ class Int8Linear(_GroupCodes):
         return y
 
     def _stored_weight(self) -> torch.Tensor:
-        if not self.per_channel or self.path == "blocks":
+        if self._group_codes():
             return super()._stored_weight()
         w = self.weight_int8.float() * self.weight_scale.float()[:, None]
         return w if self.shift is None else w + self.shift.float()[:, None]
