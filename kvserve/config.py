@@ -101,6 +101,8 @@ class ModelConfig:
     attention_backend: str = "auto"
     # the most logprobs / prompt_logprobs a request may ask for (vLLM's max_logprobs); -1: the vocabulary
     max_logprobs: int = 20
+    # vLLM's enforce_eager: no CUDA graphs for decode steps (they run on CUDA with the triton backend)
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         from kvserve.quant.base import check_method
@@ -114,6 +116,8 @@ class ModelConfig:
             _check_int("max_model_len", self.max_model_len, 1)
         _check_int("seed", self.seed, 0)
         _check_int("max_logprobs", self.max_logprobs, -1)
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
 
 
 @dataclass(frozen=True)

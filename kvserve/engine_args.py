@@ -98,6 +98,9 @@ FLAGS: tuple[Flag, ...] = (
          "paged attention kernels (auto: cpu on a CPU, torch elsewhere; cpu: compiled C kernels, torch: torch ops, "
          "triton: Triton kernels, CUDA)",
          choices=ATTENTION_BACKENDS),
+    Flag("enforce_eager", "model.enforce_eager", False,
+         "no CUDA graphs: decode steps launch their kernels one by one (graphs run on CUDA with the "
+         "triton attention backend)", boolean="store_true"),
     Flag("kv_cache_dtype", "cache.kv_cache_dtype", "auto",
          "fp8: KV stored as float8 e4m3 with per-layer scales (about 2x the tokens)", choices=KV_CACHE_DTYPES),
     Flag("max_model_len", "model.max_model_len", None,

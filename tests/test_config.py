@@ -16,7 +16,7 @@ from kvserve.engine_args import FLAGS, FLAGS_BY_NAME, SECTIONS, Flag, add_engine
 # A non-default value of every flag, as an LLM keyword value (the CLI gets str(value)).
 EXAMPLES = {
     "model": "/models/tiny.gguf", "dtype": "float32", "quantization": "gguf", "kv_cache_dtype": "fp8",
-    "attention_backend": "torch",
+    "attention_backend": "torch", "enforce_eager": True,
     "max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 32,
     "kv_cache_memory": "3GiB", "num_kv_blocks": 100, "enable_prefix_caching": False, "prefix_cache": "radix",
     "seed": 7, "max_logprobs": -1, "device": "cuda", "check_integrity": True, "generation_config": "none",

@@ -80,8 +80,9 @@ class EngineCore:
         self.eos_token_id = self._eos_token_id()
         # SamplingParams values for what a request leaves out (LLM, and the server via ModelInfo)
         self.generation_defaults = generation_defaults(ckpt.path, model_config.generation_config, ckpt.gguf_reader)
-        # Ranks load in the dtype resolved here: auto is measured once, not once per rank.
-        resolved = dataclasses.replace(model_config, dtype=str(self.dtype).removeprefix("torch."))
+        # Ranks get the dtype (auto is measured once, not once per rank) and max_model_len resolved here.
+        resolved = dataclasses.replace(model_config, dtype=str(self.dtype).removeprefix("torch."),
+                                       max_model_len=self.max_model_len)
         self.executor = Executor.create(dataclasses.replace(config, model=resolved), num_blocks, calibration,
                                         self.eos_token_id)
         info = self.executor.collective_rpc("model_info")

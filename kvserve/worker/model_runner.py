@@ -18,6 +18,7 @@ from kvserve.core.sched_output import SchedulerOutput
 from kvserve.distributed.parallel import IntermediateTensors, Parallel
 from kvserve.layers.linear import kv_head_range
 from kvserve.sampling_params import SamplingParams
+from kvserve.worker import cuda_graphs
 from kvserve.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 
 # (token ids: actual/sampled first then the top-k, their logprobs, rank of the first)
@@ -121,6 +122,22 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, _ReqState] = {}
         self.eos_token_id: int | None = None
+        self.graphs: cuda_graphs.DecodeGraphs | None = None  # enable_cuda_graphs
+
+    @torch.inference_mode()
+    def enable_cuda_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> bool:
+        """Replay decode steps of up to max_batch requests from CUDA graphs (worker/cuda_graphs.py).
+        Runs on one rank with the triton backend; capture=False takes the same static-buffer path
+        without graphs (tests on a CPU). Whether decodes will take it."""
+        if not self.parallel.is_single or self.attention_backend.name != "triton":
+            raise ValueError("CUDA graphs need one rank and the triton attention backend")
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+            return self.model(input_ids, positions, self.kv_caches, meta)
+
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graphs = cuda_graphs.enable(forward, self.device, max_batch, max_blocks, self.block_size, capture)
+        return self.graphs is not None
 
     @torch.inference_mode()
     def _calibrate_kv_scales(self, token_ids: list[int]) -> torch.Tensor:
@@ -239,7 +256,10 @@ class ModelRunner:
         # Decodes (one query token) first: the attention backend batches them.
         order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
         meta, input_ids, positions = self._prepare(order, so.num_scheduled_tokens)
-        hidden = self._forward(input_ids, positions, self.kv_caches, meta)
+        if self.graphs is not None and self.graphs.runs(meta):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self._forward(input_ids, positions, self.kv_caches, meta)
 
         sample_ids, sample_rows, plp = self._rows_to_compute(order, so.num_scheduled_tokens, meta)
         rows = sample_rows + [r for _, rs, _ in plp for r in rs]
@@ -285,12 +305,18 @@ class ModelRunner:
         pos_t = torch.tensor(pos, dtype=torch.int64)
         req_idx = torch.repeat_interleave(torch.arange(len(order)), torch.tensor(qsl[1:]) - torch.tensor(qsl[:-1]))
         slots = table_t[req_idx, pos_t // self.block_size] * self.block_size + pos_t % self.block_size
-        dev = self.device
         meta = AttentionMetadata(
             num_decodes=num_decodes, query_start_loc=qsl, seq_lens=seq_lens,
-            slot_mapping=slots.to(dev), block_tables=table_t.to(dev),
-            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64, device=dev), block_size=self.block_size)
-        return meta, torch.tensor(ids, dtype=torch.int64, device=dev), pos_t.to(dev)
+            slot_mapping=self._to_device(slots), block_tables=self._to_device(table_t),
+            seq_lens_tensor=self._to_device(torch.tensor(seq_lens, dtype=torch.int64)), block_size=self.block_size,
+            query_start_tensor=self._to_device(torch.tensor(qsl, dtype=torch.int32)))
+        return meta, self._to_device(torch.tensor(ids, dtype=torch.int64)), self._to_device(pos_t)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the runner's device; to a GPU from pinned memory, without waiting."""
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _rows_to_compute(self, order, num_sched, meta: AttentionMetadata):
         """Hidden rows to turn into logits: each request that reaches its end samples from its

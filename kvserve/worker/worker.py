@@ -59,6 +59,10 @@ class Worker:
                                   config.cache.block_size, config.device, config.cache.kv_cache_dtype,
                                   kv_calibration_ids, parallel, m.attention_backend)
         self.runner.eos_token_id = eos_token_id
+        if (self.runner.device.type == "cuda" and self.runner.attention_backend.name == "triton"
+                and parallel.is_single and not m.enforce_eager):
+            # the engine resolved max_model_len before starting the ranks (EngineCore)
+            self.runner.enable_cuda_graphs(config.scheduler.max_num_seqs, m.max_model_len)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's output on the output rank (last stage, first tensor-parallel rank); None elsewhere."""

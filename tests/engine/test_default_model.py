@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-
 import pytest
+import torch
 
 from kvserve import LLM, SamplingParams
 from tests.conftest import assert_greedy_parity, hf_greedy
@@ -56,3 +56,20 @@ def test_default_model_greedy_matches_hf(tuning, monkeypatch, hf_reference):
     else:
         assert_greedy_parity(ours, reference)
     assert "Paris" in ours[0].outputs[0].text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh)")
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_default_model_greedy_matches_hf_on_cuda(enforce_eager, hf_reference):
+    """The GPU path: triton attention, quantized weights through their CUDA kernels, decode steps
+    replayed from CUDA graphs (or not), in float32 like the reference."""
+    llm = LLM(dtype="float32", device="cuda", attention_backend="triton", enforce_eager=enforce_eager,
+              kv_cache_memory="256MiB", check_integrity=True)
+    try:
+        assert (llm.engine.executor.runner.graphs is None) == enforce_eager
+        prompts, reference = hf_reference
+        ours = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, logprobs=5, ignore_eos=True),
+                            use_tqdm=False)
+        assert_greedy_parity(ours, reference)
+    finally:
+        llm.close()
