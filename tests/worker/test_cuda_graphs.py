@@ -1,7 +1,8 @@
 """Decode steps through CUDA graphs' static buffers (worker/cuda_graphs.py). On a CPU the kernels
 run in Triton's interpreter and the buffers are used without capturing (capture=False): the
 buckets, the padding rows (slot -1, context 0) and the copies are what is checked; on CUDA the
-same test captures and replays (scripts/gpu_check.sh)."""
+same test captures and replays, and the engine's greedy tokens on CUDA are checked against HF
+(scripts/gpu_check.sh)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.worker.cuda_graphs import MAX_CAPTURE_BATCH, capture_sizes
+from tests.conftest import assert_greedy_parity, hf_greedy
 
 TRITON = importlib.util.find_spec("triton") is not None and (
     os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available())
@@ -67,3 +69,20 @@ def test_graphs_need_the_triton_backend(tiny_model_factory):
             llm.engine.executor.runner.enable_cuda_graphs(8, 128)
     finally:
         llm.close()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA (scripts/gpu_check.sh)")
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_cuda_greedy_matches_hf(enforce_eager, tiny_model_factory):
+    """The GPU path end to end, with and without graphs: triton attention on CUDA, float32."""
+    model = str(tiny_model_factory("llama"))
+    prompts = [[(7 * i + 3 * j) % 250 + 3 for j in range(5 + 9 * i)] for i in range(4)]
+    llm = LLM(model=model, dtype="float32", attention_backend="triton", device="cuda", block_size=8,
+              enforce_eager=enforce_eager, check_integrity=True)
+    try:
+        assert (llm.engine.executor.runner.graphs is None) == enforce_eager
+        ours = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, logprobs=5, ignore_eos=True),
+                            use_tqdm=False)
+    finally:
+        llm.close()
+    assert_greedy_parity(ours, hf_greedy(model, prompts, 12))
