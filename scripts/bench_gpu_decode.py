@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from kvserve import LLM, SamplingParams
+
+# Compiled Triton kernels: the tests' builder (tests/conftest.py), imported for a random model,
+# would otherwise turn on Triton's interpreter (nothing here has imported triton yet).
+os.environ.setdefault("TRITON_INTERPRET", "0")
 
 
 def sync() -> None:

@@ -17,7 +17,7 @@ mkdir -p "$out"
 if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
 if [ -d .whl ]; then  # the device machine: its own torch / triton, our missing wheels, kvserve from here
     $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 failed=0

@@ -50,7 +50,7 @@ BLOCK_N = 64  # key positions per tile
 PREFILL_ROWS = 64  # (query, head) rows per prefill program
 DECODE_ROWS = 16  # rows per decode program: one query's heads of a group, padded for tl.dot
 MIN_PARTITION = 256  # decode positions per split at least: shorter splits cost more to combine
-MAX_SPLITS = 16
+MAX_SPLITS = 16  # a power of two: the reduce kernel's tile (one compiled kernel whatever the split count)
 LOG2E = 1.4426950408889634  # the kernels use exp2: scores are scaled into base 2
 
 
@@ -64,9 +64,10 @@ if triton is not None:
 
     @triton.jit
     def _round_to_e4m3(y):
-        """y (within +-448) rounded to the nearest float8 e4m3 value, ties to even, in float32: the
-        cast that follows is then exact everywhere (Triton's interpreter drops the carry when a
-        rounding crosses a power of two, e.g. 124 -> 64 instead of 128)."""
+        """y (within +-448) rounded to the nearest float8 e4m3 value, ties to even, in float32, for
+        Triton's interpreter, whose cast drops the carry when a rounding crosses a power of two
+        (124 -> 64 instead of 128). Compiled, the cast itself rounds to nearest even (and log2 /
+        exp2 are approximations there), so this runs in the interpreter only."""
         a = tl.abs(y)
         e = tl.floor(tl.log2(tl.maximum(a, 0.015625)))  # 2^-6: below it, subnormal steps of 2^-9
         step = tl.exp2(e - 3.0)  # 3 mantissa bits
@@ -78,7 +79,8 @@ if triton is not None:
 
     @triton.jit
     def _kv_write_kernel(x_ptr, cache_ptr, slot_ptr, stride_xt, stride_xh, stride_cs, stride_ch, inv_scale,
-                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, IS_FP8: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, IS_FP8: tl.constexpr,
+                         INTERPRETED: tl.constexpr):
         """cache[slot[t], h, :] = x[t, h, :] (as float8 codes of x * inv_scale for an fp8 cache)."""
         t = tl.program_id(0)
         h = tl.program_id(1)
@@ -88,7 +90,9 @@ if triton is not None:
             mask = offs < HEAD_DIM
             x = tl.load(x_ptr + t * stride_xt + h * stride_xh + offs, mask=mask, other=0.0).to(tl.float32)
             if IS_FP8:
-                x = _round_to_e4m3(tl.minimum(tl.maximum(x * inv_scale, -448.0), 448.0))
+                x = tl.minimum(tl.maximum(x * inv_scale, -448.0), 448.0)
+                if INTERPRETED:
+                    x = _round_to_e4m3(x)
             tl.store(cache_ptr + slot * stride_cs + h * stride_ch + offs, x.to(cache_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -186,16 +190,15 @@ if triton is not None:
         tl.store(acc_ptr + idx[:, None] * D_PAD + offs_d[None, :], acc, mask=m_mask[:, None])
 
     @triton.jit
-    def _decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, query_start, stride_ot, stride_oh, v_scale,
-                              SPLITS: tl.constexpr, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                              D_PAD: tl.constexpr):
+    def _decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, query_start, stride_ot, stride_oh, v_scale, splits,
+                              S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
         """out[decode pid0, head pid1]: its splits' partials combined; zeros where all are empty."""
         r = tl.program_id(0)
         h = tl.program_id(1)
         offs_s = tl.arange(0, S_PAD)
         offs_d = tl.arange(0, D_PAD)
-        s_mask = offs_s < SPLITS
-        idx = (r * tl.num_programs(1) + h) * SPLITS + offs_s
+        s_mask = offs_s < splits
+        idx = (r * tl.num_programs(1) + h) * splits + offs_s
         m = tl.load(m_ptr + idx, mask=s_mask, other=float("-inf"))
         l = tl.load(l_ptr + idx, mask=s_mask, other=0.0)
         acc = tl.load(acc_ptr + idx[:, None] * D_PAD + offs_d[None, :], mask=s_mask[:, None], other=0.0)
@@ -240,7 +243,8 @@ class TritonAttentionBackend(AttentionBackend):
         flat = cache.view(-1, hkv, d)
         _kv_write_kernel[(t, hkv)](x, flat, slots, x.stride(0), x.stride(1), flat.stride(0), flat.stride(1),
                                    1.0 / scale if cache.dtype == FP8 else 1.0,
-                                   HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), IS_FP8=cache.dtype == FP8)
+                                   HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), IS_FP8=cache.dtype == FP8,
+                                   INTERPRETED=triton_interpreting())
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
                 v_scale: float = 1.0):
@@ -261,7 +265,9 @@ class TritonAttentionBackend(AttentionBackend):
             "stride_ch": k_cache.stride(2), "stride_bt": meta.block_tables.stride(0),
             "qk_scale": scale * k_scale * LOG2E, "GROUP": hq // hkv, "BLOCK_SIZE": k_cache.shape[1],
             "HEAD_DIM": d, "D_PAD": max(16, triton.next_power_of_2(d)), "BLOCK_N": BLOCK_N,
-            "F32_DOT": q.dtype == torch.float32 or triton_interpreting()}
+            "F32_DOT": q.dtype == torch.float32 or triton_interpreting(),
+            # K and V tiles of a 256-wide head at 3 stages would pass a GPU's shared memory
+            "num_stages": 2 if d > 128 else 3}
         nd = meta.num_decodes
         if nd:
             self._decodes(q, k_cache, v_cache, out, meta, v_scale, args)
@@ -285,5 +291,4 @@ class TritonAttentionBackend(AttentionBackend):
         _decode_split_kernel[(nd, hkv, splits)](q, k_cache, v_cache, m, l, acc, part_len=part_len,
                                                 BLOCK_M=max(DECODE_ROWS, triton.next_power_of_2(group)), **args)
         _decode_reduce_kernel[(nd, hq)](m, l, acc, out, args["query_start"], out.stride(0), out.stride(1), v_scale,
-                                        SPLITS=splits, S_PAD=triton.next_power_of_2(splits),
-                                        HEAD_DIM=args["HEAD_DIM"], D_PAD=args["D_PAD"])
+                                        splits, S_PAD=MAX_SPLITS, HEAD_DIM=args["HEAD_DIM"], D_PAD=args["D_PAD"])

@@ -30,13 +30,11 @@ except ImportError:  # supports() says no; quant/linear.py then dequantizes per 
 else:
     _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Decode (M <= 16) reads the weight once
-# for a few rows: narrow N tiles give more programs to spread over the GPU's SMs, long K tiles
-# fewer loop steps. Prefill: square tiles, enough rows per program to reuse each code tile.
-# Not tuned on a GPU yet (written on a CPU-only machine).
-DECODE_MAX_M = 16
-_DECODE = (16, 32, 128, 4, 3)
-_PREFILL = (64, 64, 64, 4, 3)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the rows M. Decode-sized M reads the
+# weight once for a few rows: narrow N tiles give more programs to spread over the GPU's SMs
+# (N is 576-3072 on small models), long K tiles fewer loop steps. Prefill: square tiles, enough
+# rows per program to reuse each code tile. Not tuned on a GPU yet (written on a CPU-only machine).
+_CONFIGS = ((16, (16, 32, 128, 4, 3)), (256, (32, 32, 64, 4, 3)), (None, (64, 64, 64, 4, 3)))
 
 
 def supports(in_features: int, group_size: int) -> bool:
@@ -52,8 +50,9 @@ if triton is not None:
                            PACKED: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """y[BLOCK_M rows, BLOCK_N outputs] of one program; see the module docstring."""
-        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        # int64: offsets * strides pass 2^31 on large weights (an int8 LM head of 128k x 16k)
+        offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        offs_n = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         m_mask = offs_m < M
         n_mask = offs_n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -98,7 +97,7 @@ def matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: to
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    bm, bn, bk, warps, stages = _DECODE if m <= DECODE_MAX_M else _PREFILL
+    bm, bn, bk, warps, stages = next(c for top, c in _CONFIGS if top is None or m <= top)
     if group != k:
         bk = min(bk, group & -group)  # the largest power of two dividing the group
     dot_dtype = _DOT_DTYPES[x.dtype]

@@ -11,8 +11,9 @@ bucket and replayed, the whole forward is one launch. What makes the forward cap
 - No host reads of device values inside the forward, and launch grids that depend on shapes
   only. The triton attention backend is written so (its split-K count follows the block
   table's width, fixed here at max_model_len / block_size); the torch and cpu backends walk
-  the requests on the host, so graphs run with triton only, and a model whose forward syncs
-  (MoE's expert counts) fails the capture and stays eager (`enable`, logged).
+  the requests on the host, so graphs run with triton only; MoE models, whose forward reads the
+  experts' token counts on the host, stay eager (`enable`, logged), as does any forward whose
+  capture fails.
 - The graph's output tensor is read before the next replay overwrites it.
 
 `capture=False` runs the same static-buffer path eagerly: that is how the buckets, the
@@ -94,11 +95,12 @@ class DecodeGraphs:
         """Final hidden states [n, hidden] of a decode-only step (`runs(meta)`)."""
         n = meta.num_reqs
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slots[:n].copy_(meta.slot_mapping, non_blocking=True)
-        self.seq_lens[:n].copy_(meta.seq_lens_tensor, non_blocking=True)
-        self.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
+        # device to device: queued on the stream like the replay that reads them
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slots[:n].copy_(meta.slot_mapping)
+        self.seq_lens[:n].copy_(meta.seq_lens_tensor)
+        self.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
         # Padding: no KV written, nothing attended. Rows past b keep old values no replay reads.
         self.input_ids[n:b] = 0
         self.positions[n:b] = 0
@@ -112,14 +114,18 @@ class DecodeGraphs:
 
 
 def enable(forward: Forward, device: torch.device, max_batch: int, max_blocks: int, block_size: int,
-           capture: bool = True) -> DecodeGraphs | None:
-    """DecodeGraphs with every bucket captured, or None (logged) when the forward cannot be captured."""
+           capture: bool = True, why_not: str | None = None) -> DecodeGraphs | None:
+    """DecodeGraphs with every bucket captured, or None (logged) when the forward cannot be captured:
+    why_not says so up front (a model known to sync on the host); a failed capture is the safety net."""
+    if why_not is not None:
+        logger.info("CUDA graphs are off: %s; decode runs eagerly", why_not)
+        return None
     graphs = DecodeGraphs(forward, device, max_batch, max_blocks, block_size, capture)
     if not capture:
         return graphs
     try:
         graphs.capture_all()
-    except RuntimeError as e:  # a host sync in the forward, or a kernel the capture refuses
+    except Exception as e:  # a host sync in the forward, a kernel the capture refuses, a Triton compile error
         logger.warning("CUDA graphs are off: the decode forward could not be captured (%s); running eagerly", e)
         return None
     logger.info("CUDA graphs: decode captured for batch sizes %s", graphs.buckets)

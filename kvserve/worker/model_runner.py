@@ -17,6 +17,7 @@ from kvserve.config import resolve_attention_backend
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.distributed.parallel import IntermediateTensors, Parallel
 from kvserve.layers.linear import kv_head_range
+from kvserve.layers.moe import FusedMoE
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker import cuda_graphs
 from kvserve.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
@@ -131,12 +132,11 @@ class ModelRunner:
         without graphs (tests on a CPU). Whether decodes will take it."""
         if not self.parallel.is_single or self.attention_backend.name != "triton":
             raise ValueError("CUDA graphs need one rank and the triton attention backend")
-
-        def forward(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-            return self.model(input_ids, positions, self.kv_caches, meta)
-
+        moe = any(isinstance(m, FusedMoE) for m in self.model.modules())
         max_blocks = -(-max_model_len // self.block_size)
-        self.graphs = cuda_graphs.enable(forward, self.device, max_batch, max_blocks, self.block_size, capture)
+        self.graphs = cuda_graphs.enable(
+            lambda ids, pos, meta: self._forward(ids, pos, self.kv_caches, meta), self.device, max_batch,
+            max_blocks, self.block_size, capture, "MoE layers read expert counts on the host" if moe else None)
         return self.graphs is not None
 
     @torch.inference_mode()
@@ -266,7 +266,7 @@ class ModelRunner:
         if not rows or hidden is None:
             self._advance(order, so.num_scheduled_tokens)
             return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        logits = self.model.compute_logits(hidden[self._to_device(torch.tensor(rows))])
         if not self.is_output_rank:  # the logits' all-gather needed every tensor-parallel rank
             self._advance(order, so.num_scheduled_tokens)
             return ModelRunnerOutput()

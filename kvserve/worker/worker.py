@@ -61,7 +61,9 @@ class Worker:
         self.runner.eos_token_id = eos_token_id
         if (self.runner.device.type == "cuda" and self.runner.attention_backend.name == "triton"
                 and parallel.is_single and not m.enforce_eager):
-            # the engine resolved max_model_len before starting the ranks (EngineCore)
+            if m.max_model_len is None:
+                raise ValueError("CUDA graphs size their block tables by max_model_len: the engine resolves it "
+                                 "before it starts the ranks (EngineCore)")
             self.runner.enable_cuda_graphs(config.scheduler.max_num_seqs, m.max_model_len)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:

@@ -38,7 +38,7 @@ def _weight(bits: int, group: int | None, n: int, k: int, symmetric: bool, perm:
 
 
 # bits, symmetric, group (None: one per output channel), N, K, M, dtype. Odd N everywhere (masked
-# N tiles); M 1 / 5 decode, 17 / 64 prefill tiles; group 128 > the prefill BLOCK_K of 64 (two
+# N tiles); M 1 / 5 decode tiles, 17 / 64 the middle ones, 300 prefill tiles; group 128 > the prefill BLOCK_K of 64 (two
 # tiles per group); group 16 the smallest tile; per channel with K off the tile (masked K tail)
 # and K odd (4-bit codes then stay one per byte).
 CASES = [
@@ -56,6 +56,7 @@ CASES = [
     (8, False, 128, 72, 256, 17, torch.float32),
     (8, False, None, 40, 200, 1, torch.bfloat16),
     (8, True, None, 72, 96, 64, torch.float32),
+    (4, False, 64, 40, 128, 300, torch.float32),  # past 256 rows: the prefill tiles
 ]
 
 
