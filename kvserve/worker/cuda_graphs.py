@@ -107,7 +107,8 @@ class DecodeGraphs:
         self.slots[n:b] = -1
         self.seq_lens[n:b] = 0
         if not self.capture:
-            return self.forward(self.input_ids[:b], self.positions[:b], self._meta(b, meta.seq_lens + [0] * (b - n)))[:n]
+            meta = self._meta(b, meta.seq_lens + [0] * (b - n))
+            return self.forward(self.input_ids[:b], self.positions[:b], meta)[:n]
         graph, out = self.graphs[b]
         graph.replay()
         return out[:n]
