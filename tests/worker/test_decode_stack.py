@@ -1,9 +1,12 @@
 """The decode stack (worker/kernels/decode_stack.py): small decode batches' layers in one C call.
 
 The same engine runs the same prompts with the stack and with it switched off (layer by layer in
-Python). With blocks weights both paths call the same C sums in the same order, so tokens and
-logprobs are equal exactly; dense float32 weights go through torch's GEMM on the layer path, so
-there the stated tolerance is 1e-5 in logprob. Block size 4 puts many block boundaries in every
+Python). With blocks weights both paths call the same C sums, but each call site is inlined and
+vectorized by the compiler on its own (-ffast-math lets it reassociate), and on AVX-512 hosts the
+two orders differ in the last bits: logprobs differed by up to 9.5e-7 (8 ulps of float32 near 1).
+So blocks weights are held to BLOCKS_ATOL, a relative bound of 64 float32 ulps (64 * 2^-23 of the
+logprob's magnitude, at least 1), with equal tokens; dense float32 weights go through torch's GEMM
+on the layer path, so there the stated tolerance is 1e-5 in logprob. Block size 4 puts many block boundaries in every
 sequence; the prompts' lengths differ so the batch's requests sit at different positions.
 """
 
@@ -16,10 +19,11 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.worker.kernels import decode_stack
+from kvserve.worker.kernels import decode_stack, qmatmul
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0, logprobs=5, ignore_eos=True)
 DENSE_ATOL = 1e-5
+BLOCKS_ULPS = 64  # float32 ulps (relative to max(1, |logprob|)) that reassociation may cost
 
 
 def _prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
@@ -56,14 +60,17 @@ def _generate(llm: LLM, on: bool, monkeypatch, prompts=None) -> tuple[list, int]
     return outs, len(calls)
 
 
-def _compare(a, b, atol: float) -> None:
+def _compare(a, b, atol: float | None = None) -> None:
+    """Equal tokens; logprobs within atol, or within BLOCKS_ULPS when atol is None."""
     for x, y in zip(a, b):
         cx, cy = x.outputs[0], y.outputs[0]
         assert cx.token_ids == cy.token_ids
         for lx, ly in zip(cx.logprobs, cy.logprobs):
             assert list(lx) == list(ly)
-            diff = max(abs(lx[t].logprob - ly[t].logprob) for t in lx)
-            assert diff <= atol, diff
+            for t in lx:
+                a, b = lx[t].logprob, ly[t].logprob
+                bound = atol if atol is not None else BLOCKS_ULPS * 2.0 ** -23 * max(1.0, abs(a))
+                assert abs(a - b) <= bound, (t, a, b, bound)
 
 
 @pytest.mark.parametrize("arch,quant", [("llama", "int8"), ("qwen2", "int8"), ("qwen3", "int8"), ("llama3", "none"),
@@ -74,17 +81,17 @@ def test_stack_equals_the_layer_path(tiny_model_factory, monkeypatch, arch, quan
     on, calls = _generate(llm, True, monkeypatch)
     off, _ = _generate(llm, False, monkeypatch)
     assert calls >= PARAMS.max_tokens - 1  # every step after the prompts' prefill is a decode step
-    _compare(on, off, 0.0 if quant == "int8" else DENSE_ATOL)
+    _compare(on, off, None if quant == "int8" else DENSE_ATOL)
 
 
-def test_fp8_kv_and_int8_activations(tiny_model_factory, monkeypatch):
+def test_fp8_kv_and_integer_activations(tiny_model_factory, monkeypatch):
     """fp8 KV: codes written with the layer's scale, read back through the attention kernel's fp8
-    path. Int8 activations: the blocks kernels' other mode, set on every linear."""
+    path. Int8 and int16 activations: the blocks kernels' other modes, set on every linear."""
     from kvserve.quant.linear import _GroupCodes
 
     llm = _llm(tiny_model_factory("llama"), quantization="int8", kv_cache_dtype="fp8")
     runner = llm.engine.executor.runner
-    for mode in ("float32", "int8"):
+    for mode in qmatmul.MODES:
         for m in runner.model.modules():
             if isinstance(m, _GroupCodes):
                 m.activations = mode
@@ -92,7 +99,7 @@ def test_fp8_kv_and_int8_activations(tiny_model_factory, monkeypatch):
         on, calls = _generate(llm, True, monkeypatch)
         off, _ = _generate(llm, False, monkeypatch)
         assert calls > 0
-        _compare(on, off, 0.0)
+        _compare(on, off)
 
 
 def test_large_batches_and_prefills_take_the_layer_path(tiny_model_factory, monkeypatch):
@@ -104,7 +111,7 @@ def test_large_batches_and_prefills_take_the_layer_path(tiny_model_factory, monk
     on, calls = _generate(llm, True, monkeypatch, prompts)
     off, _ = _generate(llm, False, monkeypatch, prompts)
     assert calls == 0  # all ten decode together in every step
-    _compare(on, off, 0.0)
+    _compare(on, off, 0.0)  # both runs take the layer path
 
 
 def test_what_it_does_not_run(tiny_model_factory, monkeypatch, caplog):

@@ -44,7 +44,7 @@ DENSE_MAX_ROWS = 8  # float32 weights: from here torch's GEMM beats this file's 
 _DRIVER = r"""
 enum { LIN_DENSE = 0 };  /* else kind = bits (4 or 8) of a blocks weight */
 typedef struct {
-    int64_t kind, int8act, n, k;
+    int64_t kind, act, n, k;  /* act: qmatmul's ACT_FLOAT / ACT_INT8 / ACT_INT16 */
     const void *w;          /* dense: float [n, k]; blocks: codes */
     const float *d, *c;     /* blocks: scale and offset [n, k / 32] */
     const float *bias;      /* [n] or NULL */
@@ -68,13 +68,15 @@ static inline void share(int64_t n, int64_t *n0, int64_t *n1) {
 }
 
 /* y [m, L->n] (row stride ldy) = x [m, L->k] @ W.T + bias, by every thread of the region; x's
-   block sums / int8 codes go into xs / xq first (thread 0). Ends at a barrier. */
-static void lin_run(const Lin *L, const float *x, int64_t m, float *y, int64_t ldy, float *xs, int8_t *xq) {
+   block sums / int8 or int16 codes go into xs / xq first (thread 0). Ends at a barrier. */
+static void lin_run(const Lin *L, const float *x, int64_t m, float *y, int64_t ldy, float *xs, void *xq) {
     const int64_t nb = L->k / 32;
     if (L->kind != LIN_DENSE) {
         #pragma omp single
         {
-            if (L->int8act) quantize_act(x, L->k, m, L->k, xq, xs + m * nb, xs, xs + 2 * m * nb, 1);
+            if (L->act == ACT_INT8) quantize_act(x, L->k, m, L->k, (int8_t *)xq, xs + m * nb, xs, xs + 2 * m * nb, 1);
+            else if (L->act == ACT_INT16)
+                quantize_act16(x, L->k, m, L->k, (int16_t *)xq, xs + m * nb, xs, xs + 2 * m * nb, 1);
             else block_sums(x, L->k, m, L->k, xs);
         }  /* implicit barrier */
     }
@@ -90,8 +92,12 @@ static void lin_run(const Lin *L, const float *x, int64_t m, float *y, int64_t l
                 for (int64_t i = 0; i < L->k; ++i) s += wr[i] * xr[i];
                 y[t * ldy + n] = s;
             }
-    } else if (L->int8act) {
-        qgemm_int8act((int)L->kind, L->w, L->d, L->c, L->k, xq, xs + m * nb, xs, xs + 2 * m * nb, m, y, ldy, n0, n1);
+    } else if (L->act == ACT_INT8) {
+        qgemm_int8act((int)L->kind, L->w, L->d, L->c, L->k, (const int8_t *)xq, xs + m * nb, xs, xs + 2 * m * nb, m, y,
+                      ldy, n0, n1);
+    } else if (L->act == ACT_INT16) {
+        qgemm_int16act((int)L->kind, L->w, L->d, L->c, L->k, (const int16_t *)xq, xs + m * nb, xs, xs + 2 * m * nb, m,
+                       y, ldy, n0, n1);
     } else {
         qgemm_floatact((int)L->kind, L->w, L->d, L->c, L->k, x, L->k, xs, m, y, ldy, n0, n1);
     }
@@ -112,7 +118,7 @@ void decode_stack(const Layer *layers, int64_t nlayers, const Dims *dm, int64_t 
     float *x = malloc(sizeof(float) * B * H), *qkv = malloc(sizeof(float) * B * wq);
     float *attn = malloc(sizeof(float) * B * qs), *gu = malloc(sizeof(float) * B * 2 * I);
     float *act = malloc(sizeof(float) * B * I), *xs = malloc(sizeof(float) * B * (dm->max_k / 32) * 3);
-    int8_t *xq = malloc((size_t)(B * dm->max_k));
+    void *xq = malloc((size_t)(B * dm->max_k) * sizeof(int16_t));  /* int8 or int16 codes */
     const float fp8 = dm->kv_kind == ROW_FP8 ? 256.f : 1.f;  /* attend_heads' fp8 convention */
     #pragma omp parallel num_threads(nthreads)
     {
@@ -171,7 +177,7 @@ void decode_stack(const Layer *layers, int64_t nlayers, const Dims *dm, int64_t 
 
 
 class _Lin(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int64), ("int8act", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+    _fields_ = [("kind", ctypes.c_int64), ("act", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
                 ("w", ctypes.c_void_p), ("d", ctypes.c_void_p), ("c", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
 
 
@@ -223,9 +229,9 @@ def _lin(module: Any) -> tuple[_Lin, int, list[torch.Tensor]]:
         raise Unsupported(f"a {type(kernel).__name__} linear ({getattr(kernel, 'path', '?')} path)")
     b = kernel.blocks()
     n, k = b.shape
-    lin = _Lin(b.bits, int(kernel.activations == "int8"), n, k, b.codes.data_ptr(), b.d.data_ptr(), b.c.data_ptr(),
-               bias_ptr)
-    return lin, kernel.dense_from, keep + [b.codes, b.d, b.c]
+    lin = _Lin(b.bits, qmatmul.MODES.index(kernel.activations), n, k, b.codes.data_ptr(), b.d.data_ptr(),
+               None if b.c is None else b.c.data_ptr(), bias_ptr)
+    return lin, kernel.dense_from, keep + [t for t in (b.codes, b.d, b.c) if t is not None]
 
 
 class DecodeStack:
