@@ -1,5 +1,5 @@
-"""`kvserve serve | router | generate | chat | bench | cache | eval | quantize | env` — flag names mirror
-`vllm serve`."""
+"""`kvserve serve | router | generate | chat | bench | cache | eval | quantize | env | tune` — flag names
+mirror `vllm serve`."""
 
 from __future__ import annotations
 
@@ -95,6 +95,39 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    """--clear: delete the cached decisions. With a model (or without --clear, the default model):
+    start the engine once with every cached decision for it counted as stale, so the dtype and the
+    quantized linears are measured again, each logged in one line; `kvserve env` shows the results."""
+    import logging
+    import os
+    import time
+
+    from kvserve.worker.kernels import evidence, tuning
+
+    if args.clear:
+        print(f"removed {evidence.clear_cache()} cached tuning decisions from {evidence.tuning_dir()}")
+        if args.model is None:
+            return 0
+    if not tuning.enabled():
+        raise ValueError(f"{tuning.TUNING_ENV}=off: nothing is measured")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log = logging.getLogger(tuning.__name__)
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    # a time, not a flag: the engine core and the worker both resolve the dtype, and the second
+    # should take what the first just measured
+    os.environ[evidence.TUNE_BEFORE_ENV] = repr(time.time())
+    try:
+        engine_from_args(args)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="LLM inference engine built around the KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("env", help="versions, CPU features, threads, C kernels and caches, for a bug report")
     e.add_argument("--json", action="store_true", help="print the same as JSON")
     e.set_defaults(func=cmd_env)
+
+    t = sub.add_parser("tune", help="measure the dtype and kernel choices for a model again (cached per CPU)")
+    t.add_argument("--clear", action="store_true", help="delete every cached decision first (alone: only that)")
+    add_engine_args(t)
+    t.set_defaults(func=cmd_tune)
 
     from kvserve.bench.throughput import add_bench_parser
     from kvserve.eval.cli import add_eval_parser

@@ -15,6 +15,7 @@ import os
 import platform
 import re
 import subprocess
+import time
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
@@ -107,21 +108,27 @@ def _c_kernels() -> dict[str, Any]:
 
 
 def _tuning_file(path: Path) -> dict[str, Any]:
-    """One cached measurement of worker/kernels/tuning.py, summarized."""
-    from kvserve.worker.kernels import tuning
+    """One cached decision of worker/kernels/tuning.py: what it chooses, the medians, and its
+    evidence (the spread of its rounds, when it was made, why the next start re-measures it)."""
+    from kvserve.worker.kernels import cpu, evidence, tuning
 
     kind = path.name.split("_", 1)[0]
     entry: dict[str, Any] = {"file": path.name, "kind": kind}
     try:
-        times = json.loads(path.read_text())["times"]
-        if kind == "dtype":  # {dtype: {rows: seconds}} at a decode- and a prefill-sized batch
+        data = json.loads(path.read_text())
+        times = data["times"]
+        if kind == "dtype":  # {dtype: {rows: median seconds}} at a decode- and a prefill-sized batch
             rows = (str(tuning.DECODE_ROWS), str(tuning.PREFILL_ROWS))
             entry["seconds"] = {name: {r: float(t[r]) for r in rows} for name, t in times.items()}
+            entry["chosen"] = tuning.pick_dtype(times, cpu.cpu_flags())
         elif kind == "linears":
             # The file does not say how many linears share a shape: count each once.
-            chosen = tuning.choose(times, {shape: 1 for shape in times})
+            chosen = tuning.choose(times, {shape: 1 for shape in times}, flags=cpu.cpu_flags())
             entry["activations"] = chosen["activations"]
             entry["dense_from"] = {s: None if v == tuning.NEVER else v for s, v in chosen["dense_from"].items()}
+            entry["dense_dtype"] = chosen["dense_dtype"]
+        entry["noise"], entry["made"] = evidence.entry_noise(data), data.get("made")
+        entry["recheck"] = evidence.staleness(data)  # None: the next start only spot-checks it
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         entry["error"] = f"{type(e).__name__}: {e}"
     return entry
@@ -175,12 +182,23 @@ def _tuning_line(entry: dict[str, Any]) -> str:
     if "error" in entry:
         return f"error: {entry['error']}"
     if "seconds" in entry:
-        return "; ".join(f"{name} {t[str(DECODE_ROWS)] * 1e6:.0f} us at {DECODE_ROWS} row, "
-                         f"{t[str(PREFILL_ROWS)] * 1e3:.2f} ms at {PREFILL_ROWS}" for name, t in entry["seconds"].items())
-    if "dense_from" in entry:
-        dense = ", ".join(f"{s} {'never' if v is None else v}" for s, v in entry["dense_from"].items())
-        return f"{entry['activations']} activations (each shape counted once); dense from rows: {dense}"
-    return entry["kind"]
+        line = f"{entry['chosen']} chosen; " + "; ".join(
+            f"{name} {t[str(DECODE_ROWS)] * 1e6:.0f} us at {DECODE_ROWS} row, {t[str(PREFILL_ROWS)] * 1e3:.2f} ms at "
+            f"{PREFILL_ROWS}" for name, t in entry["seconds"].items())
+    elif "dense_from" in entry:
+        dd = entry["dense_dtype"]
+        dense = ", ".join(f"{s} {'never' if v is None else v}" + (f" in {dd[s]}" if dd.get(s) else "")
+                          for s, v in entry["dense_from"].items())
+        line = f"{entry['activations']} activations (each shape counted once); dense from rows: {dense}"
+    else:
+        return entry["kind"]
+    made = entry["made"]
+    evidence = "no rounds or time recorded"
+    if isinstance(made, (int, float)):
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(made))
+        evidence = f"medians; rounds spread {entry['noise']:.0%}, made {when}"
+    recheck = f"; the next start measures it again: {entry['recheck']}" if entry["recheck"] else ""
+    return f"{line} ({evidence}){recheck}"
 
 
 def _rows(pairs: list[tuple[str, Any]]) -> list[str]:

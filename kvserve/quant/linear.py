@@ -179,7 +179,9 @@ class _GroupCodes(_QuantLinear):
             self.register_buffer("d", blocks.d.to(device))
             self.register_buffer("c", blocks.c.to(device))
             # set by kvserve.worker.kernels.tuning from measurements; these are the untuned defaults
+            # (dense_dtype: the dense prefill matmul's dtype, None for x's; decode keeps the kernel)
             self.activations, self.dense_from = "float32", tuning.DEFAULT_DENSE_FROM
+            self.dense_dtype: torch.dtype | None = None
             return
         self.group = _kernel_group(qw.group_size, out, device)
         if self.group is None:
@@ -262,8 +264,9 @@ class _GroupCodes(_QuantLinear):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.path == "blocks":
-            if x.shape[0] >= self.dense_from:
-                return F.linear(x, qmatmul.dequantize(self.blocks()).to(x.dtype))
+            if x.shape[0] >= self.dense_from:  # prefill-sized: one dense matmul, on bf16 units if tuning chose them
+                dt = self.dense_dtype or x.dtype
+                return F.linear(x.to(dt), qmatmul.dequantize(self.blocks()).to(dt)).to(x.dtype)
             return qmatmul.matmul(x.float(), self.blocks(), self.activations).to(x.dtype)
         if self.path == "triton":
             return _triton_matmul().matmul(x, self.codes, self.scale, self.offset, self.group)

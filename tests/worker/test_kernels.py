@@ -1,5 +1,5 @@
 """The C kernels of kvserve/worker/kernels against torch references, on every ISA level this CPU
-runs (AVX2 imitated on bigger CPUs, as CI does), and the tuning rule with injected timings."""
+runs (AVX2 imitated on bigger CPUs, as CI does). The tuning rules: test_tuning.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from kvserve.layers.rotary import apply_rotary
 from kvserve.quant.base import quantize_rtn
-from kvserve.worker.kernels import cpu, ops, qmatmul, tuning
+from kvserve.worker.kernels import cpu, ops, qmatmul
 
 # torch's own kernels held to AVX2 as well (ATen, oneDNN, MKL): the imitation the issue asks CI to run
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
@@ -125,75 +125,3 @@ def check_ops() -> list[str]:
 def test_fused_ops_match_torch():
     assert ops.load() is not None
     assert check_ops() == []
-
-
-def _times(dense: dict[int, float], kernel: dict[int, float], int8_1: float, f32_1: float) -> dict:
-    return {"int8": {"1": int8_1, **{str(r): v for r, v in kernel.items()}},
-            "float32": {"1": f32_1, **{str(r): v * 1.5 for r, v in kernel.items()}},
-            "dense": {str(r): v for r, v in dense.items()}}
-
-
-def test_choose_takes_the_faster_path_per_shape():
-    times = {
-        # dense wins from 32 rows on (and stays ahead)
-        "a": _times({8: 5.0, 32: 3.0, 128: 4.0}, {8: 1.0, 32: 3.5, 128: 9.0}, 1.0, 2.0),
-        # dense ahead at 8 but behind at 32: not "from 8", from 128
-        "b": _times({8: 1.0, 32: 9.0, 128: 1.0}, {8: 2.0, 32: 3.0, 128: 5.0}, 1.0, 2.0),
-        # the kernel wins everywhere measured
-        "c": _times({8: 9.0, 32: 9.0, 128: 9.0}, {8: 1.0, 32: 1.0, 128: 1.0}, 1.0, 2.0),
-    }
-    chosen = tuning.choose(times, {"a": 1, "b": 1, "c": 1})
-    assert chosen == {"activations": "int8", "dense_from": {"a": 32, "b": 128, "c": tuning.NEVER}}
-    assert tuning.choose(times, {"a": 1, "b": 1, "c": 1}, allow_int8=False)["activations"] == "float32"
-    slow_int8 = {k: {**v, "int8": {**v["int8"], "1": 5.0}} for k, v in times.items()}
-    assert tuning.choose(slow_int8, {"a": 1, "b": 1, "c": 1})["activations"] == "float32"
-
-
-def test_dtype_rule_takes_lower_precision_only_when_clearly_faster():
-    f32 = {"1": 2.2e-4, "256": 3.4e-3}  # per token: 235 us
-    # measured on an AVX2 Zen 3 (a noisy float32 decode time): bfloat16 222 us per token, a near tie
-    assert tuning.pick_dtype({"float32": f32, "bfloat16": {"1": 1.17e-4, "256": 2.7e-2}}) == "float32"
-    # an AVX512-BF16 CPU: bfloat16 about twice as fast
-    assert tuning.pick_dtype({"float32": f32, "bfloat16": {"1": 1.1e-4, "256": 1.7e-3}}) == "bfloat16"
-    assert tuning.pick_dtype({"float32": f32, "bfloat16": {"1": 3e-4, "256": 2e-2}}) == "float32"
-
-
-def test_dtype_choice_is_measured_cached_and_logged(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
-    fake = {"float32": {"1": 5e-5, "256": 1e-3}, "bfloat16": {"1": 6e-5, "256": 5e-3}}
-    calls = []
-
-    def fake_time(fn, reps=3):
-        calls.append(fn)
-        return 0.0
-
-    monkeypatch.setattr(tuning, "_time", fake_time)
-    monkeypatch.setattr(tuning, "dtype_candidates", lambda: [torch.float32, torch.bfloat16])
-    path = tuning._cache_path("dtype", [64, 256, ["float32", "bfloat16"]])
-    path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"times": fake}))  # as if measured: float32 wins on the sum per token
-    with caplog.at_level("INFO", logger="kvserve.worker.kernels.tuning"):
-        assert tuning.choose_dtype(64, 256) == torch.float32
-    assert calls == [] and "dtype auto -> float32 (cached" in caplog.text
-    path.write_text(json.dumps({"times": {**fake, "bfloat16": {"1": 4e-5, "256": 5e-4}}}))
-    assert tuning.choose_dtype(64, 256) == torch.bfloat16
-    path.unlink()
-    tuning.choose_dtype(64, 256)  # nothing cached: measured (here with the fake clock), then written
-    assert calls and path.exists()
-
-
-def test_tune_linears_sets_every_blocks_linear(tmp_path, monkeypatch):
-    from kvserve.quant.linear import quantized_linear
-
-    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
-    qw, _ = _blocks(4, 64, 128, 32)
-    model = torch.nn.Sequential(quantized_linear(qw, None, torch.float32), quantized_linear(qw, None, torch.float32))
-    chosen = tuning.tune_linears(model, torch.float32)
-    assert chosen is not None and chosen["activations"] == "float32"  # int8 only when allowed
-    monkeypatch.setenv(tuning.INT8_ENV, "1")
-    chosen = tuning.tune_linears(model, torch.float32)
-    assert chosen["activations"] in qmatmul.MODES
-    for m in model:
-        assert m.activations == chosen["activations"] and m.dense_from == chosen["dense_from"]["64x128:4bit"]
-    monkeypatch.setenv(tuning.TUNING_ENV, "off")
-    assert tuning.tune_linears(model, torch.float32) is None

@@ -1,45 +1,57 @@
 """Choose dtype and linear kernels by measuring them on this machine, on the model's own shapes.
 
-Two decisions, both cached as JSON under `<cache_dir>/tuning/` keyed by the CPU (model name and
-flags), the C kernels' ISA level, the torch version and the shapes measured, and each logged in
-one line that says what was chosen and the times that chose it (the linears' key also holds the
-kernels' source, so a changed kernel is measured again):
+Two decisions, each cached as JSON under `<cache_dir>/tuning/` keyed by the CPU (model name and
+flags), the C kernels' ISA level, the torch version, the threads and the shapes measured (the
+linears' key also holds the kernels' source, so a changed kernel is measured again):
 
 - `choose_dtype` (before the model is built, for `--dtype auto` on a CPU): float32 or bfloat16
   (float16 too where the CPU computes it natively), by the time of a dense linear of the model's
-  hidden x intermediate shape at a decode-sized (1 row) and a prefill-sized (256 rows) batch; a
-  lower precision than float32 only when clearly faster (`pick_dtype`).
+  hidden x intermediate shape at a decode-sized (1 row) and a prefill-sized (256 rows) batch.
 - `tune_linears` (after loading, for linears stored as Blocks): int8 or float32 activations for
-  the quantized kernel (by its time at 1 row; int8 only with KVSERVE_INT8_ACTIVATIONS=1), and per
-  weight shape the batch size from which
-  dequantizing and one dense matmul beat the quantized kernel.
+  the quantized kernel (int8 only with KVSERVE_INT8_ACTIVATIONS=1); per weight shape the batch
+  size from which dequantizing and one dense matmul beat the kernel (`dense_from`); and, for a
+  float32 model on a CPU with bfloat16 arithmetic, whether that dense (prefill) matmul runs in
+  bfloat16 (`dense_dtype`), so decode and prefill each get their own measured choice.
 
-`choose` is the selection rule alone, unit-tested with injected timings.
+One noisy run must not decide for every later start: the candidates are timed interleaved over
+rounds and the cached entries re-checked at start (evidence.py). And a choice against the CPU's
+features needs a clear margin (`gain`, `_path_gain`): a 16-bit dtype without native arithmetic
+FOREIGN_GAIN, one with it LOWER_PRECISION_GAIN (it costs accuracy), the dense path at
+decode-sized batches SMALL_DENSE_GAIN. Each decision is logged in one line: what was chosen, the
+medians that chose it, their spread, and whether the cache was used or why it was not.
+
+`pick_dtype` and `choose` are the rules alone, unit-tested with injected timings.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.worker.kernels import build, cpu, qmatmul
+from kvserve.worker.kernels import cpu, qmatmul
+from kvserve.worker.kernels.evidence import SpotPair, decide, entry_noise, spot_check, time_interleaved
 
 logger = logging.getLogger(__name__)
 
 DECODE_ROWS, PREFILL_ROWS = 1, 256
-LOWER_PRECISION_GAIN = 1.25  # pick_dtype: how much faster than float32 a lower precision must be
 GRID = (2, 4, 8, 16, 32, 64, 128, 256)  # batch sizes at which the dense path is tried against the kernel
 NEVER = 1 << 30  # dense_from when the kernel wins at every size measured
 DEFAULT_DENSE_FROM = 32  # before (or without) tuning
+LOWER_PRECISION_GAIN = 1.25  # how much faster than float32 a native lower precision must be
+FOREIGN_GAIN = 2.0  # ... and one this CPU has no arithmetic for (emulated: a fast reading is suspect)
+SMALL_DENSE_GAIN, SMALL_BATCH = 1.5, 8  # dense over the compressed kernel at up to SMALL_BATCH rows
+# quantized activations (int8, int16) over exact float ones: they cost precision, and at 1 row on a
+# busy machine the modes tie within noise (thread wake-ups dominate), where float32 should stay
+ACT_GAIN = 1.1
+# The /proc/cpuinfo flags of native arithmetic for each 16-bit dtype.
+NATIVE = {"bfloat16": frozenset({"avx512_bf16", "amx_bf16"}), "float16": frozenset({"avx512_fp16", "amx_fp16"})}
 TUNING_ENV = "KVSERVE_KERNEL_TUNING"  # "off": no measuring; float32 activations, the defaults above
 # "1": int8 activations are a candidate. Off by default: within perplexity bounds (+0.35% on the
 # default model) but they turned the default model's greedy answer to a plain chat question wrong.
@@ -55,7 +67,8 @@ def enabled() -> bool:
 
 
 def _time(fn: Callable[[], object], reps: int = 3) -> float:
-    """Best of `reps` timed calls after one warm-up, in seconds."""
+    """Best of `reps` timed calls after one warm-up, in seconds: scripts/bench_kernels.py's clock.
+    Tuning itself times candidates in interleaved rounds (evidence.time_interleaved)."""
     fn()
     best = float("inf")
     for _ in range(reps):
@@ -65,115 +78,198 @@ def _time(fn: Callable[[], object], reps: int = 3) -> float:
     return best
 
 
-def _cache_path(kind: str, what: object) -> Path:
-    key = json.dumps([kind, cpu.cpu_model(), sorted(cpu.cpu_flags()), cpu.isa_level(), torch.__version__,
-                      torch.get_num_threads(), what], default=str)
-    return build.cache_dir() / "tuning" / f"{kind}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+def native(name: str, flags: frozenset[str]) -> bool:
+    """Whether a CPU with `flags` computes in dtype `name` natively (float32 always does)."""
+    return name == "float32" or bool(NATIVE.get(name, frozenset()) & flags)
 
 
-def _cached(kind: str, what: object, measure: Callable[[], dict]) -> tuple[dict, str]:
-    """measure() once per key; ('cached' or 'measured') tells the log line which it was."""
-    path = _cache_path(kind, what)
-    try:
-        return json.loads(path.read_text()), "cached"
-    except (OSError, ValueError):
-        pass
-    result = measure()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        os.replace(tmp, path)
-    except OSError as e:
-        logger.debug("tuning cache %s not written: %s", path, e)
-    return result, "measured"
+def gain(name: str, flags: frozenset[str]) -> float:
+    """How many times faster than float32 dtype `name` must be to be taken on a CPU with `flags`."""
+    if name == "float32":
+        return 1.0
+    return LOWER_PRECISION_GAIN if native(name, flags) else FOREIGN_GAIN
 
+
+# ---- the dtype ------------------------------------------------------------------------------
 
 def dtype_candidates() -> list[torch.dtype]:
     """float32 and bfloat16 everywhere; float16 only where the CPU has float16 arithmetic."""
-    flags = cpu.cpu_flags()
-    extra = [torch.float16] if {"avx512_fp16", "amx_fp16"} & flags else []
+    extra = [torch.float16] if native("float16", cpu.cpu_flags()) else []
     return [torch.float32, torch.bfloat16, *extra]
+
+
+def _per_token(t: dict[str, float]) -> float:
+    return t[str(DECODE_ROWS)] / DECODE_ROWS + t[str(PREFILL_ROWS)] / PREFILL_ROWS
+
+
+def _dtype_ranking(times: dict[str, dict[str, float]], flags: frozenset[str]) -> list[str]:
+    return sorted(times, key=lambda n: _per_token(times[n]) * gain(n, flags))
+
+
+def pick_dtype(times: dict[str, dict[str, float]], flags: frozenset[str]) -> str:
+    """The rule for `--dtype auto`: the dtype with the least time per token (one decode-sized plus
+    one prefill-sized token, times[name][rows] seconds), where a dtype other than float32 must be
+    gain(name, flags) times faster: it costs accuracy (the default model's greedy answers change in
+    bfloat16), and without native arithmetic a fast reading is more likely noise than truth (on an
+    AVX2 CPU bfloat16 halves the bytes a 1-row matmul reads but is 5x slower at 256 rows)."""
+    return _dtype_ranking(times, flags)[0]
 
 
 def choose_dtype(hidden: int, intermediate: int) -> torch.dtype:
     """The fastest activation dtype here for a model of these sizes (see the module docstring)."""
+    flags = cpu.cpu_flags()
     names = [dtype_name(d) for d in dtype_candidates()]
     if not enabled():
-        flags = cpu.cpu_flags()
-        return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & flags else torch.float32
+        return torch.bfloat16 if native("bfloat16", flags) else torch.float32
+    made: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def linear(name: str, rows: int) -> Callable[[], object]:
+        if name not in made:  # built on first need: a cached, agreeing entry times only two dtypes
+            g = torch.Generator().manual_seed(0)
+            w, x = torch.randn(intermediate, hidden, generator=g) * 0.02, torch.randn(PREFILL_ROWS, hidden, generator=g)
+            made[name] = (w.to(getattr(torch, name)), x.to(getattr(torch, name)))
+        w, x = made[name]
+        return lambda: F.linear(x[:rows], w)
 
     def measure() -> dict:
-        g = torch.Generator().manual_seed(0)
-        w32 = torch.randn(intermediate, hidden, generator=g) * 0.02
-        x32 = torch.randn(PREFILL_ROWS, hidden, generator=g)
-        times = {}
-        for name in names:
-            dt = getattr(torch, name)
-            w, x = w32.to(dt), x32.to(dt)
-            times[name] = {str(rows): _time(lambda w=w, x=x, r=rows: F.linear(x[:r], w))
-                           for rows in (DECODE_ROWS, PREFILL_ROWS)}
-        return {"times": times}
+        times: dict[str, dict[str, float]] = {n: {} for n in names}
+        noise: dict[str, dict[str, float]] = {n: {} for n in names}
+        for rows in (DECODE_ROWS, PREFILL_ROWS):
+            got = time_interleaved({n: linear(n, rows) for n in names}, str(rows), {n: gain(n, flags) for n in names})
+            for n, s in got.items():
+                times[n][str(rows)], noise[n][str(rows)] = s["median"], s["spread"]
+        return {"times": times, "noise": noise}
 
-    result, how = _cached("dtype", [hidden, intermediate, names], measure)
-    times = result["times"]
-    best = pick_dtype(times)
-    logger.info("dtype auto -> %s (%s; linear %dx%d: %s)", best, how, intermediate, hidden,
+    def spot(entry: dict) -> str | None:
+        t = entry["times"]
+        best, runner = _dtype_ranking(t, flags)[:2]
+        return spot_check([(str(r), best, linear(best, r), runner, linear(runner, r),
+                            t[best][str(r)] / t[runner][str(r)]) for r in (DECODE_ROWS, PREFILL_ROWS)])
+
+    entry, how = decide("dtype", [hidden, intermediate, names], measure, spot)
+    times = entry["times"]
+    best = pick_dtype(times, flags)
+    logger.info("dtype auto -> %s (%s; rounds spread %.0f%%; linear %dx%d: %s)", best, how,
+                100 * entry_noise(entry), intermediate, hidden,
                 ", ".join(f"{n} {times[n][str(DECODE_ROWS)] * 1e6:.0f} us at 1 row / "
                           f"{times[n][str(PREFILL_ROWS)] * 1e3:.2f} ms at {PREFILL_ROWS}" for n in names))
     return getattr(torch, best)
 
 
-def pick_dtype(times: dict[str, dict[str, float]]) -> str:
-    """The rule for `--dtype auto`: the dtype with the least time per token (one decode-sized plus
-    one prefill-sized token, times[name][rows] seconds), where a lower precision than float32 must
-    be at least LOWER_PRECISION_GAIN times faster to be taken. It costs accuracy (the default
-    model's greedy answers change in bfloat16), and a near tie is within the noise of a one-off
-    measurement that is then cached: on an AVX2 CPU bfloat16 halves the bytes a 1-row matmul reads
-    but is several times slower at 256 rows, so a noisy decode timing alone could choose it."""
-    def cost(name: str) -> float:
-        t = times[name]
-        return t[str(DECODE_ROWS)] / DECODE_ROWS + t[str(PREFILL_ROWS)] / PREFILL_ROWS
+# ---- the quantized linears ------------------------------------------------------------------
 
-    best = min(times, key=cost)
-    if best != "float32" and "float32" in times and cost(best) * LOWER_PRECISION_GAIN > cost("float32"):
-        return "float32"
-    return best
+def _path_gain(path: str, rows: int, flags: frozenset[str]) -> float:
+    """The margin a path must win by at `rows` (ACT_GAIN for quantized activations): the dense paths
+    at decode-sized batches read 4-8x the bytes of the compressed kernel, so a reading there that
+    favours them is suspect."""
+    if not path.startswith("dense"):
+        return 1.0 if path == "float32" else ACT_GAIN
+    g = SMALL_DENSE_GAIN if rows <= SMALL_BATCH else 1.0
+    return g * gain("bfloat16", flags) if path == "dense_bf16" else g
 
 
-def choose(times: dict, counts: dict[str, int], allow_int8: bool = True) -> dict:
-    """The rule, from timings: times[shape][path][rows] seconds, path in 'float32' / 'int8' (the
-    kernel with those activations) and 'dense'; counts[shape]: how many linears have that shape.
+def _dense_dtype(t: dict[str, dict[str, float]], flags: frozenset[str]) -> str | None:
+    """'bfloat16' if the bfloat16 dense path (where measured) beats the float32 one with its margin
+    over the batch sizes measured (a sum: prefill-sized batches weigh most); None: the model's dtype."""
+    if "dense_bf16" not in t:
+        return None
+    rows = [r for r in t["dense_bf16"] if r in t["dense"]]
+    bf16, f32 = sum(t["dense_bf16"][r] for r in rows), sum(t["dense"][r] for r in rows)
+    return "bfloat16" if rows and bf16 * gain("bfloat16", flags) <= f32 else None
 
-    Activations: int8 if the model's linears at DECODE_ROWS take less time with int8 (and it is
-    allowed). dense_from[shape]: the smallest measured batch size from which the dense path is at
-    least as fast as the kernel at it and every larger size measured; NEVER if there is none.
-    """
+
+def choose(times: dict, counts: dict[str, int], allow_int8: bool = True, flags: frozenset[str] = frozenset()) -> dict:
+    """The rule, from timings: times[shape][path][rows] seconds, path one of qmatmul.MODES (the
+    kernel with those activations), 'dense' (the model's dtype) and, where measured, 'dense_bf16';
+    counts[shape]: how many linears have that shape; flags: the CPU's.
+
+    Activations: the mode in which the model's linears at DECODE_ROWS take the least time, a
+    quantized one only when ACT_GAIN times faster than float32 (int8 only when allowed).
+    dense_dtype[shape]: `_dense_dtype`. dense_from[shape]: the smallest measured batch size from
+    which the dense path (in that dtype) is at least as fast as the kernel at it and every larger
+    size measured (SMALL_DENSE_GAIN times faster up to SMALL_BATCH rows); NEVER if none."""
     def total(mode: str) -> float:
         return sum(counts[s] * times[s][mode][str(DECODE_ROWS)] for s in times)
 
-    act = "int8" if allow_int8 and total("int8") < total("float32") else "float32"
-    dense_from = {}
+    modes = sorted({p for t in times.values() for p in t if not p.startswith("dense") and (allow_int8 or p != "int8")})
+    act = min(modes, key=lambda p: total(p) * _path_gain(p, DECODE_ROWS, flags)) if modes else "float32"
+    dense_from, dense_dtype = {}, {}
     for shape, t in times.items():
-        rows = sorted(int(r) for r in t["dense"])
+        dense_dtype[shape] = _dense_dtype(t, flags)
+        path = "dense_bf16" if dense_dtype[shape] else "dense"
         from_ = NEVER
-        for r in reversed(rows):
-            if t["dense"][str(r)] > t[act][str(r)]:
+        for r in sorted((int(r) for r in t[path]), reverse=True):
+            if t[path][str(r)] * _path_gain("dense", r, flags) > t[act][str(r)]:
                 break
             from_ = r
         dense_from[shape] = from_
-    return {"activations": act, "dense_from": dense_from}
+    return {"activations": act, "dense_from": dense_from, "dense_dtype": dense_dtype}
 
 
 def _shape_key(m: nn.Module) -> str:
     return f"{m.out_features}x{m.in_features}:{m.bits}bit"
 
 
+def _linear_paths(m: nn.Module, dtype: torch.dtype, bf16: bool) -> dict[str, Callable[[int], object]]:
+    """path -> fn(rows) as the module runs it (quant/linear.py, the blocks branch of _matmul)."""
+    w = m.blocks()
+    x = torch.randn(GRID[-1], m.in_features, generator=torch.Generator().manual_seed(0))
+    xd = x.to(dtype)
+    paths: dict[str, Callable[[int], object]] = {
+        mode: (lambda r, mode=mode: qmatmul.matmul(x[:r], w, mode)) for mode in qmatmul.MODES}
+    paths["dense"] = lambda r: F.linear(xd[:r], qmatmul.dequantize(w).to(dtype))
+    if bf16:
+        paths["dense_bf16"] = lambda r: F.linear(xd[:r].bfloat16(), qmatmul.dequantize(w).bfloat16()).to(dtype)
+    return paths
+
+
+def _measure_shape(m: nn.Module, key: str, dtype: torch.dtype, bf16: bool, flags: frozenset[str]) -> tuple[dict, dict]:
+    """times[path][rows] and noise[path][rows] of one weight shape: the kernel at DECODE_ROWS and
+    GRID, the dense paths at GRID, interleaved per batch size."""
+    paths = _linear_paths(m, dtype, bf16)
+    times: dict[str, dict[str, float]] = {p: {} for p in paths}
+    noise: dict[str, dict[str, float]] = {p: {} for p in paths}
+    for rows in (DECODE_ROWS, *GRID):
+        names = [p for p in paths if rows in GRID or p in qmatmul.MODES]
+        # at DECODE_ROWS the modes contest each other; at GRID rows the kernel (in whichever mode)
+        # contests the dense paths, and more rounds where only the modes tie would be wasted
+        sides = {} if rows == DECODE_ROWS else {p: "kernel" for p in qmatmul.MODES}
+        got = time_interleaved({p: (lambda p=p: paths[p](rows)) for p in names}, f"{key}/{rows}",
+                               {p: _path_gain(p, rows, flags) for p in names}, sides)
+        for p, s in got.items():
+            times[p][str(rows)], noise[p][str(rows)] = s["median"], s["spread"]
+    return times, noise
+
+
+def _pair(key: str, t: dict, paths: dict[str, Callable[[int], object]], rows: int, a: str, b: str) -> SpotPair:
+    return (f"{key}/{rows}", a, lambda: paths[a](rows), b, lambda: paths[b](rows), t[a][str(rows)] / t[b][str(rows)])
+
+
+def _spot_pairs(times: dict, chosen: dict, by_shape: dict[str, nn.Module], dtype: torch.dtype,
+                bf16: bool) -> list[SpotPair]:
+    """Per shape, the chosen path against the runner-up where the choice changes (at dense_from, or
+    at the largest batch when the kernel always wins), and the two dense dtypes at PREFILL_ROWS."""
+    pairs: list[SpotPair] = []
+    for key, m in by_shape.items():
+        t, paths = times[key], _linear_paths(m, dtype, bf16)
+        dense, act = "dense_bf16" if chosen["dense_dtype"][key] else "dense", chosen["activations"]
+        r = chosen["dense_from"][key]
+        pairs.append(_pair(key, t, paths, GRID[-1], act, dense) if r == NEVER else _pair(key, t, paths, r, dense, act))
+        if "dense_bf16" in t and "dense_bf16" in paths:
+            pairs.append(_pair(key, t, paths, PREFILL_ROWS, dense, "dense" if dense == "dense_bf16" else "dense_bf16"))
+    return pairs
+
+
 def tune_linears(model: nn.Module, dtype: torch.dtype, allow_int8: bool | None = None) -> dict | None:
-    """Measure and set each Blocks linear's `activations` and `dense_from`; None if there are none."""
+    """Measure and set each Blocks linear's `activations`, `dense_from` and `dense_dtype`; None if
+    there are none."""
     mods = [m for m in model.modules() if getattr(m, "path", None) == "blocks"]
     if not mods or not enabled() or qmatmul.load() is None:
         return None
+    flags = cpu.cpu_flags()
+    allow = int8_allowed() if allow_int8 is None else allow_int8
+    # a float32 model's prefill may run on the CPU's bfloat16 units; elsewhere not even measured
+    bf16 = dtype == torch.float32 and native("bfloat16", flags)
     by_shape: dict[str, nn.Module] = {}
     counts: dict[str, int] = {}
     for m in mods:
@@ -181,32 +277,30 @@ def tune_linears(model: nn.Module, dtype: torch.dtype, allow_int8: bool | None =
         counts[_shape_key(m)] = counts.get(_shape_key(m), 0) + 1
 
     def measure() -> dict:
-        times = {}
-        for key, m in by_shape.items():
-            w = m.blocks()
-            x = torch.randn(GRID[-1], m.in_features, generator=torch.Generator().manual_seed(0))
-            xd = x.to(dtype)
-            t = {"float32": {}, "int8": {}, "dense": {}}
-            for rows in (DECODE_ROWS, *GRID):
-                for mode in qmatmul.MODES:
-                    t[mode][str(rows)] = _time(lambda r=rows, mode=mode: qmatmul.matmul(x[:r], w, mode))
-                if rows in GRID:
-                    t["dense"][str(rows)] = _time(lambda r=rows: F.linear(xd[:r], qmatmul.dequantize(w).to(dtype)))
-            times[key] = t
-        return {"times": times}
+        measured = {k: _measure_shape(m, k, dtype, bf16, flags) for k, m in by_shape.items()}
+        return {"times": {k: v[0] for k, v in measured.items()}, "noise": {k: v[1] for k, v in measured.items()},
+                "source": source}
+
+    def spot(entry: dict) -> str | None:
+        return spot_check(_spot_pairs(entry["times"], choose(entry["times"], counts, allow, flags), by_shape,
+                                      dtype, bf16))
 
     # the kernels' source is part of the key: a changed kernel is measured again
     source = hashlib.sha256(qmatmul.SOURCE.encode()).hexdigest()[:16]
-    result, how = _cached("linears", [sorted(by_shape), str(dtype), source], measure)
-    chosen = choose(result["times"], counts, int8_allowed() if allow_int8 is None else allow_int8)
+    entry, how = decide("linears", [sorted(by_shape), str(dtype), source], measure, spot)
+    times = entry["times"]
+    chosen = choose(times, counts, allow, flags)
     for m in mods:
-        m.activations = chosen["activations"]
-        m.dense_from = chosen["dense_from"][_shape_key(m)]
-    t1 = {mode: sum(counts[s] * result["times"][s][mode][str(DECODE_ROWS)] for s in counts) for mode in qmatmul.MODES}
-    logger.info("linears: %d quantized (%s); %s activations (all linears at 1 row: int8 %.2f ms, float32 %.2f ms); "
-                "dense %s from %s rows", len(mods), how, chosen["activations"], t1["int8"] * 1e3,
-                t1["float32"] * 1e3, dtype_name(dtype),
-                ", ".join(f"{s}: {'never' if v == NEVER else v}" for s, v in chosen["dense_from"].items()))
+        key = _shape_key(m)
+        m.activations, m.dense_from = chosen["activations"], chosen["dense_from"][key]
+        m.dense_dtype = None if chosen["dense_dtype"][key] is None else getattr(torch, chosen["dense_dtype"][key])
+    t1 = {mode: sum(counts[s] * times[s][mode][str(DECODE_ROWS)] for s in counts)
+          for mode in qmatmul.MODES if all(mode in times[s] for s in counts)}
+    logger.info("linears: %d quantized (%s; rounds spread %.0f%%); %s activations (all linears at 1 row: %s); "
+                "dense from rows: %s", len(mods), how, 100 * entry_noise(entry), chosen["activations"],
+                ", ".join(f"{mode} {t * 1e3:.2f} ms" for mode, t in t1.items()),
+                ", ".join(f"{s} {'never' if v == NEVER else v} in {chosen['dense_dtype'][s] or dtype_name(dtype)}"
+                          for s, v in chosen["dense_from"].items()))
     return chosen
 
 

@@ -1,0 +1,395 @@
+"""Tuning that one noisy run cannot fool (kvserve/worker/kernels/tuning.py and evidence.py), with
+injected timings only: the rules, interleaved rounds and their medians, the margins a choice against
+the CPU's features needs, the re-checks of cached decisions at start, the per-phase (bfloat16 dense
+prefill) choice of quantized linears, `kvserve tune --clear` and what `kvserve env` shows."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve import __version__
+from kvserve.quant.base import quantize_rtn
+from kvserve.worker.kernels import cpu, evidence, qmatmul, tuning
+
+BF16 = tuning.NATIVE["bfloat16"]
+LOGGER = "kvserve.worker.kernels.tuning"
+
+
+class Clock:
+    """Stands in for evidence._timed: seconds by label ('<candidate>@<where>'), and the nth call of
+    a label may get its own value (an outlier round)."""
+
+    def __init__(self, seconds: Callable[[str, int], float]) -> None:
+        self.seconds, self.calls, self.count = seconds, [], defaultdict(int)
+
+    def __call__(self, label: str, fn: Callable[[], object]) -> float:
+        n = self.count[label]
+        self.count[label] += 1
+        self.calls.append(label)
+        return self.seconds(label, n)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty tuning cache in tmp_path, and the C kernel loaded beforehand from the session's
+    cache (not rebuilt in every tmp_path)."""
+    assert qmatmul.load() is not None
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(evidence.TUNE_BEFORE_ENV, raising=False)
+    monkeypatch.delenv(tuning.TUNING_ENV, raising=False)
+    monkeypatch.setattr(evidence, "_checked", {})
+    return tmp_path / "tuning"
+
+
+def use_clock(monkeypatch, seconds: Callable[[str, int], float]) -> Clock:
+    clock = Clock(seconds)
+    monkeypatch.setattr(evidence, "_timed", clock)
+    return clock
+
+
+def set_flags(monkeypatch, bf16: bool) -> None:
+    """This CPU's flags with or without bfloat16 arithmetic (the rest kept, so the C kernels' ISA
+    level and build do not change)."""
+    flags = (cpu.cpu_flags() | BF16) if bf16 else (cpu.cpu_flags() - BF16)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
+
+
+def dtype_clock(table: dict[str, dict[int, float]]) -> Callable[[str, int], float]:
+    """Seconds for choose_dtype's labels ('bfloat16@256') from table[dtype][rows]."""
+    return lambda label, n: table[label.split("@")[0]][int(label.split("@")[1])]
+
+
+def write_entry(kind: str, what: object, **entry) -> None:
+    path = evidence.cache_path(kind, what)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(entry))
+
+
+def dtype_entry(times: dict, noise: float = 0.02, made: float | None = None) -> dict:
+    return {"times": times, "noise": {n: {r: noise for r in t} for n, t in times.items()},
+            "made": time.time() if made is None else made, "version": __version__}
+
+
+F32 = {"1": 2e-4, "256": 4e-3}
+BF16_FAST = {"1": 1e-4, "256": 1e-3}  # per token 2.0x (f32 2.16e-4 vs 1.04e-4)
+NAMES = ["float32", "bfloat16"]
+
+
+# ---- interleaved rounds -----------------------------------------------------------------------
+
+def test_one_outlier_round_does_not_flip_a_choice(monkeypatch):
+    # float32 is truly faster; one round of each goes astray: float32 10x slow, bfloat16 100x fast
+    clock = use_clock(monkeypatch, lambda label, n: {("float32", 2): 1e-2, ("bfloat16", 3): 1e-5}.get(
+        (label.split("@")[0], n), 1e-3 if label.startswith("float32") else 1.5e-3))
+    stats = evidence.time_interleaved({"float32": lambda: None, "bfloat16": lambda: None}, "1")
+    assert stats["float32"]["median"] == 1e-3 and stats["bfloat16"]["median"] == 1.5e-3
+    assert stats["float32"]["spread"] == 0.0 and stats["float32"]["rounds"] == evidence.ROUNDS
+    # best-of (the old rule) would take bfloat16's 10 us; the medians keep float32 ahead
+    assert min(stats, key=lambda n: stats[n]["median"]) == "float32"
+    # interleaved: every round calls both, the first one alternating
+    firsts = [clock.calls[i].split("@")[0] for i in range(0, 2 * evidence.ROUNDS, 2)]
+    assert firsts == ["float32", "bfloat16"] * 2 + ["float32"]
+
+
+def test_rounds_closer_than_their_spread_are_measured_again(monkeypatch):
+    swing = (0.6, 1.4, 0.7, 1.3, 1.0)  # 50% spread around medians only 5% apart
+    clock = use_clock(monkeypatch, lambda label, n: swing[n % 5] * (1.05 if label.startswith("b") else 1.0))
+    stats = evidence.time_interleaved({"a": lambda: None, "b": lambda: None}, "x")
+    assert stats["a"]["rounds"] == evidence.ROUNDS * (1 + evidence.EXTRA_PASSES) == len(clock.calls) // 2
+    assert stats["a"]["spread"] > 0.5
+    # the same noise with the candidates 3x apart decides in one pass
+    clock = use_clock(monkeypatch, lambda label, n: swing[n % 5] * (3.0 if label.startswith("b") else 1.0))
+    assert evidence.time_interleaved({"a": lambda: None, "b": lambda: None}, "x")["a"]["rounds"] == evidence.ROUNDS
+    # a tie between two of one side (the kernel's modes) is not the contest: a against the dense path is
+    clock = use_clock(monkeypatch, lambda label, n: swing[n % 5] * {"a": 1.0, "b": 1.05, "d": 3.0}[label[0]])
+    fns = {"a": lambda: None, "b": lambda: None, "d": lambda: None}
+    assert evidence.time_interleaved(fns, "x", sides={"a": "kernel", "b": "kernel"})["a"]["rounds"] == evidence.ROUNDS
+
+
+# ---- the dtype rule and its margins ----------------------------------------------------------
+
+def test_lower_precision_needs_a_margin_and_a_big_one_without_native_arithmetic():
+    f32 = {"1": 2.2e-4, "256": 3.4e-3}  # per token: 235 us
+    # measured on an AVX2 Zen 3 (a noisy float32 decode time): bfloat16 222 us per token, a near tie
+    assert tuning.pick_dtype({"float32": f32, "bfloat16": {"1": 1.17e-4, "256": 2.7e-2}}, BF16) == "float32"
+    bf16_1_6x = {"1": 1.4e-4, "256": 2.1e-3}  # 148 us per token: 1.6x
+    assert tuning.pick_dtype({"float32": f32, "bfloat16": bf16_1_6x}, BF16) == "bfloat16"
+    assert tuning.pick_dtype({"float32": f32, "bfloat16": bf16_1_6x}, frozenset({"avx2", "fma"})) == "float32"
+    assert tuning.pick_dtype({"float32": f32, "bfloat16": {"1": 1e-4, "256": 1.5e-3}}, frozenset()) == "bfloat16"
+    fp16 = {"float32": f32, "float16": bf16_1_6x}
+    assert tuning.pick_dtype(fp16, frozenset({"avx512_bf16"})) == "float32"
+    assert tuning.pick_dtype(fp16, frozenset({"avx512_fp16"})) == "float16"
+
+
+def test_bf16_on_a_cpu_without_bf16_needs_the_big_margin(cache, monkeypatch):
+    times = {"float32": {1: 2.2e-4, 256: 3.4e-3}, "bfloat16": {1: 1.4e-4, 256: 2.1e-3}}  # 1.6x faster
+    use_clock(monkeypatch, dtype_clock(times))
+    set_flags(monkeypatch, bf16=False)
+    assert tuning.choose_dtype(64, 256) == torch.float32
+    set_flags(monkeypatch, bf16=True)  # another CPU: another cache entry, measured, and 1.6x is enough
+    assert tuning.choose_dtype(64, 256) == torch.bfloat16
+    assert len(list(cache.glob("dtype_*.json"))) == 2
+
+
+# ---- cached decisions: stale, noisy, disagreeing ---------------------------------------------
+
+def test_a_fresh_quiet_entry_is_used_after_a_spot_check(cache, monkeypatch, caplog):
+    set_flags(monkeypatch, bf16=True)
+    write_entry("dtype", [64, 256, NAMES], **dtype_entry({"float32": F32, "bfloat16": BF16_FAST}))
+    clock = use_clock(monkeypatch, dtype_clock({"float32": {1: 2e-4, 256: 4e-3}, "bfloat16": {1: 1e-4, 256: 1e-3}}))
+    with caplog.at_level("INFO", logger=LOGGER):
+        assert tuning.choose_dtype(64, 256) == torch.bfloat16
+    assert "dtype auto -> bfloat16 (cached, spot check agrees" in caplog.text
+    assert len(clock.calls) == 2 * 2 * evidence.SPOT_REPS  # two dtypes at two sizes: no rounds
+    tuning.choose_dtype(64, 256)  # the engine core and the worker both ask: one spot check per process
+    assert len(clock.calls) == 2 * 2 * evidence.SPOT_REPS
+
+
+def test_a_noisy_entry_made_minutes_ago_is_only_spot_checked(cache, monkeypatch, caplog):
+    """A busy hour's starts do not each pay for a full measurement; the spot check guards them."""
+    set_flags(monkeypatch, bf16=True)
+    write_entry("dtype", [64, 256, NAMES], **dtype_entry({"float32": F32, "bfloat16": BF16_FAST}, noise=0.5,
+                                                         made=time.time() - 60))
+    clock = use_clock(monkeypatch, dtype_clock({"float32": {1: 2e-4, 256: 4e-3}, "bfloat16": {1: 1e-4, 256: 1e-3}}))
+    with caplog.at_level("INFO", logger=LOGGER):
+        assert tuning.choose_dtype(64, 256) == torch.bfloat16
+    assert "(cached, spot check agrees; rounds spread 50%" in caplog.text
+    assert len(clock.calls) == 2 * 2 * evidence.SPOT_REPS
+
+
+@pytest.mark.parametrize("entry, why", [
+    (dtype_entry({"float32": F32, "bfloat16": BF16_FAST}, noise=0.5, made=time.time() - evidence.NOISY_RETRY_S),
+     "noisy: its rounds spread 50%"),
+    (dtype_entry({"float32": F32, "bfloat16": BF16_FAST}, made=time.time() - 40 * 86400), "stale: made 40 days ago"),
+    ({"times": {"float32": F32, "bfloat16": BF16_FAST}}, "cached without its evidence"),
+    ({**dtype_entry({"float32": F32, "bfloat16": BF16_FAST}), "version": "0.0.1"}, "made by kvserve 0.0.1"),
+])
+def test_noisy_stale_or_unrecorded_entries_are_measured_again(cache, monkeypatch, caplog, entry, why):
+    set_flags(monkeypatch, bf16=True)
+    write_entry("dtype", [64, 256, NAMES], **entry)  # bfloat16 twice as fast
+    clock = use_clock(monkeypatch, dtype_clock({"float32": {1: 1e-4, 256: 1e-3}, "bfloat16": {1: 2e-4, 256: 4e-3}}))
+    with caplog.at_level("INFO", logger=LOGGER):
+        assert tuning.choose_dtype(64, 256) == torch.float32  # the new rounds say float32
+    assert f"(measured: {why}" in caplog.text
+    assert clock.count["float32@256"] == evidence.ROUNDS
+    written = json.loads(next(cache.glob("dtype_*.json")).read_text())
+    assert written["times"]["float32"]["256"] == 1e-3 and written["noise"]["float32"]["256"] == 0.0
+    assert written["version"] == __version__ and time.time() - written["made"] < 60
+
+
+def test_a_spot_check_that_disagrees_measures_again(cache, monkeypatch, caplog):
+    # the issue's case: cached while the machine was busy, float32 looked 40x slower than it is
+    busy = {"float32": {"1": 8e-3, "256": 4e-2}, "float16": {"1": 2e-4, "256": 4e-3}}
+    fp16 = (cpu.cpu_flags() - BF16) | {"avx512_fp16"}  # a CPU with float16 arithmetic
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: fp16)
+    names = ["float32", "bfloat16", "float16"]
+    write_entry("dtype", [64, 256, names], **dtype_entry({**busy, "bfloat16": {"1": 1e-2, "256": 1e-1}}))
+    clock = use_clock(monkeypatch, dtype_clock({"float32": {1: 1e-4, 256: 1e-3}, "float16": {1: 2e-4, 256: 4e-3},
+                                                "bfloat16": {1: 1e-3, 256: 1e-2}}))
+    with caplog.at_level("INFO", logger=LOGGER):
+        assert tuning.choose_dtype(64, 256) == torch.float32
+    assert "(measured: spot check disagrees: float16/float32 at 1" in caplog.text
+    assert clock.count["float16@1"] == evidence.SPOT_REPS + evidence.ROUNDS
+
+
+def test_a_spot_check_asks_that_the_ranking_holds_not_the_ratio(monkeypatch):
+    def pair(cached: float) -> evidence.SpotPair:
+        return ("256", "a", lambda: None, "b", lambda: None, cached)
+
+    use_clock(monkeypatch, lambda label, n: {"a": 3e-3, "b": 1e-2}[label[0]])  # a 0.3x of b now
+    assert evidence.spot_check([pair(0.05)]) is None  # 20x faster in the cache, 3x now: a stays
+    use_clock(monkeypatch, lambda label, n: {"a": 2e-2, "b": 1e-2}[label[0]])  # a 2x slower now
+    assert evidence.spot_check([pair(0.05)]) == "spot check disagrees: a/b at 256 2.00x, cached 0.05x"
+    assert evidence.spot_check([pair(1.4)]) is None  # a was chosen 1.4x slower (a margin): 2x is close
+    use_clock(monkeypatch, lambda label, n: {"a": 2e-2 if n else 1.0, "b": 1e-2}[label[0]])
+    assert evidence.spot_check([pair(1.4)]) is None  # the least of two: one busy moment is ignored
+
+
+def test_kvserve_tune_asks_for_new_measurements(cache, monkeypatch, capsys):
+    from kvserve import cli
+
+    set_flags(monkeypatch, bf16=True)
+    write_entry("dtype", [64, 256, NAMES], **dtype_entry({"float32": F32, "bfloat16": BF16_FAST}))
+    clock = use_clock(monkeypatch, dtype_clock({"float32": {1: 2e-4, 256: 4e-3}, "bfloat16": {1: 1e-4, 256: 1e-3}}))
+    monkeypatch.setenv(evidence.TUNE_BEFORE_ENV, "0")  # restored after the test; cmd_tune sets it
+    started = []
+    # building the engine resolves the dtype twice (engine core, worker): the first measures, the second reuses
+    monkeypatch.setattr(cli, "engine_from_args", lambda args: started.append(
+        [tuning.choose_dtype(64, 256), tuning.choose_dtype(64, 256)]))
+    assert cli.main(["tune", "--model", "some.gguf"]) == 0
+    assert started == [[torch.bfloat16, torch.bfloat16]]
+    assert clock.count["bfloat16@256"] == evidence.ROUNDS
+    out = capsys.readouterr().out
+    assert "dtype auto -> bfloat16 (measured: re-measure asked (kvserve tune)" in out
+    assert "checked earlier in this process" in out
+
+
+def test_kvserve_tune_clear_empties_the_cache(cache, capsys):
+    from kvserve.cli import main
+
+    cache.mkdir(parents=True)
+    for name in ("dtype_a.json", "linears_b.json"):
+        (cache / name).write_text("{}")
+    kernels = cache.parent / "kernels"
+    kernels.mkdir()
+    (kernels / "qmatmul_x.so").write_bytes(b"")
+    assert main(["tune", "--clear"]) == 0
+    assert list(cache.iterdir()) == [] and (kernels / "qmatmul_x.so").exists()
+    assert f"removed 2 cached tuning decisions from {cache}" in capsys.readouterr().out
+
+
+# ---- quantized linears: the kernel, the dense path and its dtype per phase -------------------
+
+def _times(dense: dict[int, float], kernel: dict[int, float], int8_1: float, f32_1: float) -> dict:
+    return {"int8": {"1": int8_1, **{str(r): v for r, v in kernel.items()}},
+            "float32": {"1": f32_1, **{str(r): v * 1.5 for r, v in kernel.items()}},
+            "dense": {str(r): v for r, v in dense.items()}}
+
+
+def test_choose_takes_the_faster_path_per_shape():
+    times = {
+        # dense wins from 32 rows on (and stays ahead)
+        "a": _times({8: 5.0, 32: 3.0, 128: 4.0}, {8: 1.0, 32: 3.5, 128: 9.0}, 1.0, 2.0),
+        # dense ahead at 8 but behind at 32: not "from 8", from 128
+        "b": _times({8: 1.0, 32: 9.0, 128: 1.0}, {8: 2.0, 32: 3.0, 128: 5.0}, 1.0, 2.0),
+        # the kernel wins everywhere measured
+        "c": _times({8: 9.0, 32: 9.0, 128: 9.0}, {8: 1.0, 32: 1.0, 128: 1.0}, 1.0, 2.0),
+    }
+    chosen = tuning.choose(times, {"a": 1, "b": 1, "c": 1})
+    assert chosen == {"activations": "int8", "dense_from": {"a": 32, "b": 128, "c": tuning.NEVER},
+                      "dense_dtype": {"a": None, "b": None, "c": None}}
+    assert tuning.choose(times, {"a": 1, "b": 1, "c": 1}, allow_int8=False)["activations"] == "float32"
+    slow_int8 = {k: {**v, "int8": {**v["int8"], "1": 5.0}} for k, v in times.items()}
+    assert tuning.choose(slow_int8, {"a": 1, "b": 1, "c": 1})["activations"] == "float32"
+    # quantized activations cost precision: 3% faster is a tie, 20% is not
+    near = {k: {**v, "int16": {**v["int8"], "1": 1.94}} for k, v in slow_int8.items()}
+    assert tuning.choose(near, {"a": 1, "b": 1, "c": 1})["activations"] == "float32"
+    near = {k: {**v, "int16": {**v["int8"], "1": 1.6}} for k, v in slow_int8.items()}
+    assert tuning.choose(near, {"a": 1, "b": 1, "c": 1})["activations"] == "int16"
+
+
+def test_dense_over_the_kernel_at_small_batches_and_bf16_dense_need_margins():
+    # dense 1.25x faster than the kernel from 4 rows on: enough at 16, not at 4 or 8 (decode-sized)
+    t = _times({4: 0.8, 8: 0.8, 16: 0.8}, {4: 1.0, 8: 1.0, 16: 1.0}, 1.0, 2.0)
+    assert tuning.choose({"s": t}, {"s": 1})["dense_from"]["s"] == 16
+    t["dense"] = {r: v / 2 for r, v in t["dense"].items()}  # 2.5x: from 4
+    assert tuning.choose({"s": t}, {"s": 1})["dense_from"]["s"] == 4
+    # bfloat16 dense 1.6x faster than float32 dense: taken with bf16 arithmetic, not without
+    t = {**_times({32: 2.0, 256: 8.0}, {32: 3.0, 256: 20.0}, 1.0, 2.0), "dense_bf16": {"32": 1.25, "256": 5.0}}
+    with_bf16 = tuning.choose({"s": t}, {"s": 1}, flags=BF16)
+    assert with_bf16["dense_dtype"] == {"s": "bfloat16"} and with_bf16["dense_from"]["s"] == 32
+    assert tuning.choose({"s": t}, {"s": 1}, flags=frozenset({"avx2"}))["dense_dtype"] == {"s": None}
+
+
+def linear_clock(bf16_speedup: float = 2.0) -> Callable[[str, int], float]:
+    """'<path>@<shape>/<rows>': the kernel linear in the rows, the dense path a fixed cost (the
+    dequantized weight) plus a smaller slope, bfloat16 dense `bf16_speedup` times faster; dense
+    float32 from 32 rows, dense bfloat16 from 16 (8 is decode-sized: not by SMALL_DENSE_GAIN)."""
+    def seconds(label: str, n: int) -> float:
+        path, where = label.split("@")
+        rows = int(where.rsplit("/", 1)[1])
+        dense = 1e-4 + 5e-6 * rows
+        return {"float32": 1e-5 * rows, "int8": 2e-5 * rows, "int16": 3e-5 * rows, "dense": dense,
+                "dense_bf16": dense / bf16_speedup}[path]
+    return seconds
+
+
+def two_linears(out: int = 64, k: int = 128):
+    from kvserve.quant.linear import quantized_linear
+
+    qw = quantize_rtn(torch.randn(out, k, generator=torch.Generator().manual_seed(0)) * 0.05, 4, 32, symmetric=False)
+    return torch.nn.Sequential(quantized_linear(qw, None, torch.float32), quantized_linear(qw, None, torch.float32))
+
+
+def test_tune_linears_on_a_cpu_without_bf16_never_measures_bf16(cache, monkeypatch, caplog):
+    set_flags(monkeypatch, bf16=False)
+    clock = use_clock(monkeypatch, linear_clock())
+    model = two_linears()
+    with caplog.at_level("INFO", logger=LOGGER):
+        chosen = tuning.tune_linears(model, torch.float32)
+    assert chosen == {"activations": "float32", "dense_from": {"64x128:4bit": 32}, "dense_dtype": {"64x128:4bit": None}}
+    assert not any(label.startswith("dense_bf16") for label in clock.calls)
+    assert clock.count["dense@64x128:4bit/256"] == evidence.ROUNDS and "dense@64x128:4bit/1" not in clock.count
+    assert "linears: 2 quantized (measured: nothing cached" in caplog.text
+    for m in model:
+        assert (m.activations, m.dense_from, m.dense_dtype) == ("float32", 32, None)
+    x = torch.randn(40, 128)
+    assert torch.equal(model[0](x), F.linear(x, qmatmul.dequantize(model[0].blocks())))
+    monkeypatch.setenv(tuning.INT8_ENV, "1")  # allowed, int8 still loses at 1 row here
+    assert tuning.tune_linears(model, torch.float32)["activations"] == "float32"
+    monkeypatch.setenv(tuning.TUNING_ENV, "off")
+    assert tuning.tune_linears(model, torch.float32) is None
+
+
+def test_bf16_dense_prefill_is_chosen_where_the_cpu_has_bf16_and_stays_close(cache, monkeypatch, caplog):
+    """Issue 30 item 4: decode keeps the quantized kernel, prefill-sized batches run the dense matmul
+    in bfloat16 where the CPU has bf16 units (AMX here by flags; bf16 matmul runs on any CPU)."""
+    set_flags(monkeypatch, bf16=True)
+    clock = use_clock(monkeypatch, linear_clock())
+    model = two_linears()
+    with caplog.at_level("INFO", logger=LOGGER):
+        chosen = tuning.tune_linears(model, torch.float32)
+    assert chosen["dense_dtype"] == {"64x128:4bit": "bfloat16"} and chosen["dense_from"] == {"64x128:4bit": 16}
+    assert clock.count["dense_bf16@64x128:4bit/256"] == evidence.ROUNDS
+    assert "64x128:4bit 16 in bfloat16" in caplog.text
+    m = model[0]
+    assert m.dense_dtype == torch.bfloat16 and m.dense_from == 16
+    w = qmatmul.dequantize(m.blocks())
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
+    y, ref = m(x), F.linear(x, w)
+    assert y.dtype == torch.float32
+    rel = float((y - ref).norm() / ref.norm())
+    assert 0 < rel < 1e-2  # bfloat16 rounding: close to float32, and not float32 itself
+    one = x[:1]  # decode-sized: the kernel, in float32
+    assert torch.allclose(m(one), F.linear(one, w), rtol=1e-5, atol=1e-6)
+    # a bfloat16 model's dense path is bfloat16 already: nothing more to measure
+    set_flags(monkeypatch, bf16=True)
+    clock = use_clock(monkeypatch, linear_clock())
+    assert tuning.tune_linears(model, torch.bfloat16)["dense_dtype"] == {"64x128:4bit": None}
+    assert not any(label.startswith("dense_bf16") for label in clock.calls)
+
+
+def test_a_slower_bf16_dense_keeps_float32_and_a_cached_entry_is_spot_checked(cache, monkeypatch, caplog):
+    set_flags(monkeypatch, bf16=True)
+    use_clock(monkeypatch, linear_clock(bf16_speedup=1.1))  # under LOWER_PRECISION_GAIN
+    assert tuning.tune_linears(two_linears(), torch.float32)["dense_dtype"] == {"64x128:4bit": None}
+    monkeypatch.setattr(evidence, "_checked", {})  # a new process: the entry is read from disk
+    clock = use_clock(monkeypatch, linear_clock(bf16_speedup=1.1))
+    with caplog.at_level("INFO", logger=LOGGER):
+        tuning.tune_linears(two_linears(), torch.float32)
+    assert "(cached, spot check agrees" in caplog.text
+    # dense (chosen) against the kernel at dense_from, and the two dense dtypes at 256 rows
+    assert sorted(clock.count) == ["dense@64x128:4bit/256", "dense@64x128:4bit/32", "dense_bf16@64x128:4bit/256",
+                                   "float32@64x128:4bit/32"]
+
+
+# ---- what `kvserve env` shows ------------------------------------------------------------------
+
+def test_env_shows_each_decision_with_its_evidence(cache, monkeypatch):
+    from kvserve import env
+
+    set_flags(monkeypatch, bf16=True)
+    made = time.time() - 3600
+    write_entry("dtype", "x", **dtype_entry({"float32": F32, "bfloat16": BF16_FAST}, noise=0.03, made=made))
+    t = {**_times({32: 2.0, 256: 8.0}, {32: 3.0, 256: 20.0}, 1.0, 2.0), "dense_bf16": {"32": 1.0, "256": 4.0}}
+    write_entry("linears", "y", times={"64x128:4bit": t}, noise={"64x128:4bit": {"dense": {"32": 0.5}}},
+                made=made, version=__version__)
+    entries = {e["kind"]: e for e in env._cache()["tuning"]}
+    dtype, linears = entries["dtype"], entries["linears"]
+    assert dtype["chosen"] == "bfloat16" and dtype["noise"] == pytest.approx(0.03) and dtype["made"] == made
+    assert dtype["recheck"] is None and dtype["seconds"]["float32"] == F32
+    assert linears["dense_from"] == {"64x128:4bit": 32} and linears["dense_dtype"] == {"64x128:4bit": "bfloat16"}
+    assert linears["recheck"] == "noisy: its rounds spread 50%"
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(made))
+    assert env._tuning_line(dtype) == ("bfloat16 chosen; float32 200 us at 1 row, 4.00 ms at 256; bfloat16 100 us at "
+                                       f"1 row, 1.00 ms at 256 (medians; rounds spread 3%, made {when})")
+    assert env._tuning_line(linears).endswith("dense from rows: 64x128:4bit 32 in bfloat16 (medians; rounds spread "
+                                              f"50%, made {when}); the next start measures it again: noisy: its "
+                                              "rounds spread 50%")
