@@ -177,7 +177,7 @@ class _GroupCodes(_QuantLinear):
             blocks = qmatmul.Blocks.from_codes(qw.q, qw.scale, qw.offset, qw.bits)
             self.register_buffer("codes", blocks.codes.to(device))
             self.register_buffer("d", blocks.d.to(device))
-            self.register_buffer("c", blocks.c.to(device))
+            self.register_buffer("c", None if blocks.c is None else blocks.c.to(device))
             # set by kvserve.worker.kernels.tuning from measurements; these are the untuned defaults
             # (dense_dtype: the dense prefill matmul's dtype, None for x's; decode keeps the kernel)
             self.activations, self.dense_from = "float32", tuning.DEFAULT_DENSE_FROM
@@ -249,7 +249,8 @@ class _GroupCodes(_QuantLinear):
         ids = ids.reshape(-1)
         if self.path == "blocks":
             return qmatmul.reference(qmatmul.Blocks(self.codes.index_select(0, ids), self.d.index_select(0, ids),
-                                                    self.c.index_select(0, ids), self.bits))
+                                                    None if self.c is None else self.c.index_select(0, ids),
+                                                    self.bits))
         if self.path in ("dequantize", "triton"):
             return self._compact_weight(torch.float32, ids)
         return self._stored_weight().index_select(0, ids)
