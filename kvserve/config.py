@@ -120,13 +120,33 @@ class ModelConfig:
             raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
 
 
+CUDA_DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's
+
+
+def check_kv_sizing(kv_cache_memory: int | None, gpu_memory_utilization: float | None) -> None:
+    """gpu_memory_utilization is a share in (0, 1], and it and kv_cache_memory are not both given:
+    each sizes the KV cache, and silently preferring one would surprise whoever set the other."""
+    if gpu_memory_utilization is None:
+        return
+    if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) \
+            or not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {gpu_memory_utilization!r}")
+    if kv_cache_memory is not None:
+        raise ValueError("gpu_memory_utilization and kv_cache_memory both size the KV cache; give one of them "
+                         "(kv_cache_memory: bytes per rank; gpu_memory_utilization: a share of the device's "
+                         "memory, or on a CPU of the available RAM, for weights + KV)")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache sizing and prefix caching."""
+    """Paged KV cache sizing and prefix caching. With none of kv_cache_memory, gpu_memory_utilization
+    and num_kv_blocks, the engine sizes the pool from the memory there is (engine/defaults.py)."""
 
     block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; default chosen by the engine
-    num_kv_blocks: int | None = None  # overrides kv_cache_memory
+    kv_cache_memory: int | None = None  # bytes per rank
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory and gpu_memory_utilization
+    # Share of memory for weights + KV: the device's on CUDA (default 0.9), the available RAM on a CPU
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     prefix_cache: str = "hash"  # hash | radix
     kv_cache_dtype: str = "auto"  # auto: the model dtype | fp8: float8 e4m3 with per-layer scales
@@ -139,6 +159,7 @@ class CacheConfig:
             _check_int("kv_cache_memory", self.kv_cache_memory, 1)
         if self.num_kv_blocks is not None:
             _check_int("num_kv_blocks", self.num_kv_blocks, 1)
+        check_kv_sizing(self.kv_cache_memory, self.gpu_memory_utilization)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         if self.prefix_cache not in PREFIX_CACHES:
             raise ValueError(f"prefix_cache must be 'hash' or 'radix', got {self.prefix_cache!r}")
@@ -377,9 +398,10 @@ def check_recompute_ratio(name: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """The scheduler's limits. None fields are filled in by the engine, which knows the model:
-    max_num_batched_tokens (a default budget) and max_model_len (from ModelConfig.max_model_len
-    and the model's max_position_embeddings); EngineCore.scheduler_config is that resolved copy."""
+    """The scheduler's limits. None fields are filled in by the engine, which knows the model and the
+    machine: max_num_batched_tokens (on a CPU from a prefill timed at start, engine/defaults.py) and
+    max_model_len (from ModelConfig.max_model_len and the model's max_position_embeddings);
+    EngineCore.scheduler_config is that resolved copy."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None

@@ -107,12 +107,19 @@ FLAGS: tuple[Flag, ...] = (
          "longest prompt + completion in tokens (default: the model's, at most 8192)", type=int),
     Flag("max_num_seqs", "scheduler.max_num_seqs", 256, "most requests running at once", type=int),
     Flag("max_num_batched_tokens", "scheduler.max_num_batched_tokens", None,
-         "token budget of one engine step (default 2048)", type=int),
+         "token budget of one engine step (default: on a CPU the largest power of two of tokens whose "
+         "prefill, timed at start, takes at most 0.5 s, within 256-8192; 2048 on CUDA)", type=int),
     Flag("block_size", "cache.block_size", 16, "tokens per KV block", type=int),
-    Flag("kv_cache_memory", "cache.kv_cache_memory", None, "KV cache size, e.g. 2GiB (default 2GiB)",
+    Flag("kv_cache_memory", "cache.kv_cache_memory", None,
+         "KV cache size per rank, e.g. 2GiB (default: from free memory, see --gpu-memory-utilization)",
          convert=_size_or_none, metavar="SIZE"),
-    Flag("num_kv_blocks", "cache.num_kv_blocks", None, "number of KV blocks (overrides --kv-cache-memory)",
-         type=int),
+    Flag("gpu_memory_utilization", "cache.gpu_memory_utilization", None,
+         "share of memory for weights + KV cache, in (0, 1]: on CUDA of the device's (default 0.9, as "
+         "vLLM); on a CPU of the available RAM (default, without it and --kv-cache-memory: 40%% of the RAM "
+         "available after the weights, at least 256 MiB, at most 16 GiB and what --max-num-seqs x "
+         "--max-model-len tokens can use)", type=float, metavar="FRACTION"),
+    Flag("num_kv_blocks", "cache.num_kv_blocks", None,
+         "number of KV blocks (overrides --kv-cache-memory and --gpu-memory-utilization)", type=int),
     Flag("enable_prefix_caching", "cache.enable_prefix_caching", True,
          "reuse the KV cache of shared prompt prefixes", boolean="optional"),
     Flag("prefix_cache", "cache.prefix_cache", "hash", "prefix cache structure: hash chain or radix tree",

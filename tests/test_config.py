@@ -18,7 +18,8 @@ EXAMPLES = {
     "model": "/models/tiny.gguf", "dtype": "float32", "quantization": "gguf", "kv_cache_dtype": "fp8",
     "attention_backend": "torch", "enforce_eager": True,
     "max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 32,
-    "kv_cache_memory": "3GiB", "num_kv_blocks": 100, "enable_prefix_caching": False, "prefix_cache": "radix",
+    "kv_cache_memory": "3GiB", "gpu_memory_utilization": 0.5, "num_kv_blocks": 100, "enable_prefix_caching": False,
+    "prefix_cache": "radix",
     "seed": 7, "max_logprobs": -1, "device": "cuda", "check_integrity": True, "generation_config": "none",
     "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "enable_expert_parallel": True,
     "distributed_executor_backend": "ray", "cpu_threads_bind": "0-3", "cpu_threads": 3,
@@ -95,6 +96,7 @@ def test_each_flag_round_trips(name):
 
 def test_all_flags_together_round_trip_and_pickle():
     kwargs = dict(EXAMPLES, cpu_threads_bind="0-1|2-3|4,6|5")  # four ranks: tp 2 x pp 2
+    del kwargs["gpu_memory_utilization"]  # sizes the KV cache as kv_cache_memory does: one or the other
     from_kwargs, from_cli = both_ways(kwargs)
     assert from_cli == from_kwargs
     config = EngineConfig.from_kwargs(**kwargs)
@@ -142,7 +144,11 @@ def test_bad_choices_are_refused_by_the_parser(capsys):
     ({"kv_remote_write_through": "no"}, "kv_remote_write_through must be True or False"),
     ({"check_integrity": 1}, "check_integrity must be True or False"),
     ({"kv_cache_memroy": "1GiB"}, "unknown engine argument 'kv_cache_memroy'; did you mean 'kv_cache_memory'"),
-    ({"gpu_memory_utilization": 0.9}, "unknown engine argument 'gpu_memory_utilization'"),
+    ({"gpu_memory_utilization": 0}, r"gpu_memory_utilization must be a number in \(0, 1\], got 0"),
+    ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be a number in \(0, 1\]"),
+    ({"gpu_memory_utilization": True}, r"gpu_memory_utilization must be a number in \(0, 1\]"),
+    ({"gpu_memory_utilization": 0.9, "kv_cache_memory": "1GiB"},
+     "gpu_memory_utilization and kv_cache_memory both size the KV cache"),
 ])
 def test_bad_values_name_the_flag(kwargs, message):
     with pytest.raises(ValueError, match=message):

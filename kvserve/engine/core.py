@@ -27,9 +27,10 @@ from kvserve.core.scheduler import Scheduler
 from kvserve.disagg.params import check_transfer_params, transfer_params
 from kvserve.distributed.executor import Executor, WorkerError
 from kvserve.distributed.parallel import check_parallel
+from kvserve.engine import defaults
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.models.generation_config import generation_defaults
-from kvserve.models.loader import open_checkpoint, resolve_dtype
+from kvserve.models.loader import Checkpoint, open_checkpoint, resolve_dtype
 from kvserve.outputs import RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
@@ -37,9 +38,7 @@ from kvserve.worker.model_runner import ModelRunnerOutput, kv_bytes_per_block, k
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 DEFAULT_MAX_MODEL_LEN = 8192
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # The fixed prompt whose K/V set the fp8 KV cache scales (kv_cache_dtype='fp8'): prose, a list,
 # code and numbers in a chat turn, like what is served; fixed, so every start of a model (and
 # every replica sharing KV tiers) calibrates the same scales.
@@ -69,13 +68,11 @@ class EngineCore:
         self.model_path = str(ckpt.path.resolve())
         self.max_model_len = self._max_model_len(model_config.max_model_len)
         self.vocab_size = self.hf_config.vocab_size
-        # The scheduler runs on a resolved copy: the limits that depend on the model filled in.
-        self.scheduler_config = dataclasses.replace(
-            config.scheduler,
-            max_num_batched_tokens=config.scheduler.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
-            max_model_len=self.max_model_len)
         self.kv_dtype = kv_dtype_of(cache_config.kv_cache_dtype, self.dtype)
-        num_blocks = self._num_blocks(cache_config)
+        # The KV pool is allocated as the ranks start, so it is sized before they load the weights,
+        # from the checkpoint's estimate of them (checked against the loaded size below).
+        self.weight_estimate: int | None = None
+        num_blocks = self._num_blocks(cache_config, ckpt)
         calibration = self._kv_calibration_ids() if cache_config.kv_cache_dtype == "fp8" else None
         self.eos_token_id = self._eos_token_id()
         # SamplingParams values for what a request leaves out (LLM, and the server via ModelInfo)
@@ -90,6 +87,12 @@ class EngineCore:
         self.weight_bytes = sum(i["weight_bytes"] for i in info)  # every rank's shard
         logger.info("model %s: %s weights, quantization %s, %.1f MB resident on %d rank(s)", self.model_path,
                     str(self.dtype).removeprefix("torch."), self.quantization, self.weight_bytes / 1e6, len(info))
+        defaults.check_weight_estimate(self.weight_bytes, self.weight_estimate)
+        # The scheduler runs on a resolved copy: the limits that depend on the model and the machine
+        # filled in. The ranks never read max_num_batched_tokens, so it may be decided this late.
+        self.step_budget = self._step_budget(num_blocks)
+        self.scheduler_config = dataclasses.replace(
+            config.scheduler, max_num_batched_tokens=self.step_budget.tokens, max_model_len=self.max_model_len)
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                  cache_config.prefix_cache)
         # The KV connector (core/kv_connector.py), both halves: the KV tiers, prefill/decode
@@ -119,17 +122,30 @@ class EngineCore:
             raise ValueError(f"max_model_len ({requested}) exceeds the model's max_position_embeddings ({limit})")
         return requested
 
-    def _num_blocks(self, cache: CacheConfig) -> int:
+    def _num_blocks(self, cache: CacheConfig, ckpt: Checkpoint) -> int:
         if cache.num_kv_blocks is not None:
+            self.kv_sizing = "num_kv_blocks as given"
             return cache.num_kv_blocks
-        memory = cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
         par = self.config.parallel
         layers = -(-self.hf_config.num_hidden_layers // par.pipeline_parallel_size)  # the largest stage
-        n = memory // kv_bytes_per_block(self.hf_config, cache.block_size, self.kv_dtype, par.tensor_parallel_size,
-                                         layers)
+        block = kv_bytes_per_block(self.hf_config, cache.block_size, self.kv_dtype, par.tensor_parallel_size, layers)
+        pool, self.weight_estimate = defaults.engine_kv_pool(self.config, self.hf_config, ckpt, self.dtype,
+                                                             self.max_model_len, block)
+        n = pool.bytes // block
         if n < 1:
-            raise ValueError(f"kv_cache_memory ({memory} bytes) is too small to hold one KV block")
+            field = "gpu_memory_utilization" if cache.gpu_memory_utilization is not None else "kv_cache_memory"
+            raise ValueError(f"{field}: {pool.bytes} bytes per rank ({pool.reason}) is too small to hold one KV "
+                             f"block of {block} bytes")
+        self.kv_sizing = pool.reason
+        logger.info("KV cache: %d blocks (%d tokens, %s per rank): %s", n, n * cache.block_size,
+                    defaults.fmt_bytes(n * block), pool.reason)
         return int(n)
+
+    def _step_budget(self, num_blocks: int) -> defaults.StepBudget:
+        budget = defaults.engine_step_budget(self.config, self.executor, num_blocks, self.max_model_len,
+                                             self.vocab_size)
+        logger.info("step budget: max_num_batched_tokens=%d: %s", budget.tokens, budget.reason)
+        return budget
 
     def _kv_calibration_ids(self) -> list[int]:
         """KV_CALIBRATION_TEXT as a user turn of the chat template (plain text without one)."""
@@ -342,6 +358,11 @@ class EngineCore:
         return {
             "quantization": self.quantization,
             "weight_bytes": self.weight_bytes,
+            "max_num_batched_tokens": self.scheduler_config.max_num_batched_tokens,
+            "step_budget_reason": self.step_budget.reason,
+            **({"prefill_seconds_per_token": self.step_budget.seconds_per_token}
+               if self.step_budget.seconds_per_token is not None else {}),
+            "kv_cache_sizing": self.kv_sizing,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "kv_blocks_used": self.kv.num_used_blocks,
