@@ -70,6 +70,21 @@ def fp8_kv_scales(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, scales, torch.ones_like(scales))
 
 
+def _zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV tensor. On the CPU its memory comes from calloc (numpy.zeros), whose pages the
+    OS zeroes on first touch: a pool sized from free RAM costs neither start-up time nor resident
+    memory until its blocks are used (torch.zeros writes every byte at start). Zeroed, not empty:
+    padding slots of a block may be read under a zero attention weight, and 0 * NaN is NaN."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    nbytes = torch.empty((), dtype=dtype).element_size()
+    for n in shape:
+        nbytes *= n
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype, tp_size: int = 1,
                        num_layers: int | None = None) -> int:
     """Bytes of K and V for one block on one rank: its num_layers (default: all) layers and the
@@ -109,8 +124,7 @@ class ModelRunner:
         head_start, head_end = kv_head_range(kv_heads, self.parallel.tp)
         shape = (num_blocks, block_size, head_end - head_start, head_dim)
         start, end = self.parallel.layer_range(hf_config.num_hidden_layers)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+        self.kv_caches = [(_zeroed_pool(shape, self.kv_dtype, self.device), _zeroed_pool(shape, self.kv_dtype, self.device))
                           for _ in range(start, end)]
         # fp8: (k_scale, v_scale) of each Attention layer in model order; the layers hold them too.
         self.kv_scales: torch.Tensor | None = None
