@@ -20,7 +20,7 @@ from torch import nn
 
 from kvserve.layers.linear import ParallelLinear
 from kvserve.quant.base import Fp8Weight, QuantizedWeight, QuantMethod, cat_rows, check_method, linear_prefix
-from kvserve.quant.gguf import GGUFMethod
+from kvserve.quant.gguf import GGUFMethod, KQuantWeight, settle_parts
 from kvserve.quant.linear import Fp8Linear, Int4Linear, Int8Linear, quantized_linear
 from kvserve.quant.methods import load_time_method, method_from_config, pack_fp8, pack_int8, quant_config
 
@@ -191,7 +191,10 @@ class LinearInstaller:
 
     def _install(self, linear: ParallelLinear, parts: list[Any]) -> None:
         """A kernel from the quantized parts; float (or dequantized) parts become the linear's weight again."""
+        parts = settle_parts(parts)
         kinds = {type(p) for p in parts}
+        if kinds == {KQuantWeight} and not self.plan.dequantize:  # raw GGUF K-quant rows, read in place
+            return linear.set_kernel(quantized_linear(parts, linear.kernel_bias, self.dtype, self.device))
         if kinds == {QuantizedWeight} and not self.plan.dequantize:
             return linear.set_kernel(quantized_linear(cat_rows(_harmonize(parts)), linear.kernel_bias, self.dtype,
                                                       self.device))

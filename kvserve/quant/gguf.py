@@ -9,19 +9,31 @@ Block layouts (per row, blocks along the input dim; fp16 scalars, little endian)
 In a 32-weight Q4_0/Q4_1 block the low nibbles are weights 0..15 and the high nibbles
 16..31; a Q4_K chunk of 32 bytes holds sub-block 2c in its low and 2c+1 in its high nibbles.
 All map onto group size 32 (scale = d or d sc, offset = -8 d, m, -128 d or -dmin m).
-Other types are dequantized by the loader (gguf_loader).
+
+Q5_K and Q6_K (and Q4_K where it shares a fused linear with them: llama.cpp's Q4_K_M puts attn_v
+in Q6_K beside Q4_K q/k) stay as the file's raw rows, a `KQuantWeight`, read in place by
+kvserve/worker/kernels/kquant (layouts in its c/kquant.c). Other types are dequantized by the
+loader (gguf_loader).
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from kvserve.quant.base import QuantizedWeight, QuantMethod
+from kvserve.worker.kernels import kquant
+
+logger = logging.getLogger(__name__)
 
 # GGMLQuantizationType values (gguf.constants) and (weights, bytes) per block.
-Q4_0, Q4_1, Q8_0, Q4_K = 2, 3, 8, 12
+Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
 _BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144)}
-REPACKABLE = frozenset(_BLOCKS)
+KQUANT = frozenset(kquant.BLOCK_BYTES)  # kept as raw rows (KQuantWeight)
+REPACKABLE = frozenset(_BLOCKS) | KQUANT  # the linear types the loader hands over as raw blocks
 
 
 def _half(b: torch.Tensor) -> torch.Tensor:
@@ -69,6 +81,71 @@ def repack(blocks: torch.Tensor, qtype: int, name: str) -> QuantizedWeight:
                            offset.reshape(rows, -1).contiguous(), bits, 32)
 
 
+@dataclass
+class KQuantWeight:
+    """A linear weight [out, in] as raw GGUF K-quant rows (Q4_K, Q5_K or Q6_K), as the file has them."""
+
+    blocks: torch.Tensor  # uint8 [out, in / 256 * bytes per super-block]
+    qtype: int
+    shape: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        out, n_in = self.shape
+        if self.qtype not in KQUANT or n_in % 256:
+            raise ValueError(f"a K-quant weight needs type Q4_K/Q5_K/Q6_K and 256 | in, got type {self.qtype}, "
+                             f"shape {self.shape}")
+        if self.blocks.dtype != torch.uint8 or tuple(self.blocks.shape) != (out, kquant.row_bytes(self.qtype, n_in)):
+            raise ValueError(f"K-quant blocks have shape {tuple(self.blocks.shape)} / {self.blocks.dtype}, expected "
+                             f"uint8 ({out}, {kquant.row_bytes(self.qtype, n_in)})")
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W [out, in], values as gguf's dequantizer gives them."""
+        blocks = self.blocks.contiguous().cpu()
+        if kquant.load() is None:
+            return kquant.reference(self.qtype, blocks).to(dtype)
+        return kquant.dequantize(kquant.make_matrix([(self.qtype, blocks)], self.shape[1])).to(dtype)
+
+    def rows(self, sl: slice) -> KQuantWeight:
+        b = self.blocks[sl]
+        return KQuantWeight(b, self.qtype, (b.shape[0], self.shape[1]))
+
+    def cols(self, sl: slice) -> KQuantWeight | QuantizedWeight | torch.Tensor:
+        """Input channels sl (a row-parallel shard): whole super-blocks stay raw; otherwise Q4_K
+        becomes group-32 codes (exact) and Q5_K / Q6_K are dequantized (logged)."""
+        if sl.start % 256 == 0 and sl.stop % 256 == 0:
+            per = kquant.BLOCK_BYTES[self.qtype]
+            b = self.blocks[:, sl.start // 256 * per: sl.stop // 256 * per]
+            return KQuantWeight(b, self.qtype, (self.shape[0], sl.stop - sl.start))
+        if self.qtype == Q4_K:
+            return self.to_quantized().cols(sl)
+        logger.info("a tensor-parallel shard [%d, %d) splits 256-weight K-quant blocks: that linear is "
+                    "dequantized to float", sl.start, sl.stop)
+        return self.dequantize()[:, sl]
+
+    def to_quantized(self, name: str = "linear") -> QuantizedWeight:
+        """Q4_K as group-32 codes (exact), for the blocks kernel (kvserve.worker.kernels.qmatmul)."""
+        return repack(self.blocks, self.qtype, name)
+
+
+def settle_parts(parts: list[Any]) -> list[Any]:
+    """The parts of one fused linear, ready for a kernel: Q4_K parts become group-32 codes (qmatmul's
+    blocks, tuned) unless the linear also holds Q5_K / Q6_K parts and nothing else, in which case
+    every part stays raw and the K-quant kernel runs the whole linear."""
+    raw = [p for p in parts if isinstance(p, KQuantWeight)]
+    if (len(raw) == len(parts) <= kquant.MAX_PARTS and any(p.qtype != Q4_K for p in raw)) or not raw:
+        return parts
+    return [p.to_quantized() if isinstance(p, KQuantWeight) and p.qtype == Q4_K else p for p in parts]
+
+
+def kquant_weight(blocks: torch.Tensor, qtype: int, name: str) -> KQuantWeight:
+    """Raw GGUF rows uint8 [out, bytes per row] of a K-quant type -> KQuantWeight."""
+    per = kquant.BLOCK_BYTES.get(qtype)
+    if per is None or blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % per:
+        raise ValueError(f"GGUF tensor {name!r}: raw blocks have shape {tuple(blocks.shape)} / {blocks.dtype}, "
+                         f"expected uint8 [rows, k * {per}] of type {qtype}")
+    return KQuantWeight(blocks, qtype, (blocks.shape[0], blocks.shape[1] // per * 256))
+
+
 class GGUFMethod(QuantMethod):
     """A GGUF linear arrives as `<prefix>.ggml_blocks` (uint8 rows, llama's q/k rows already
     un-permuted by the loader) and `<prefix>.ggml_type` (0-d int64: GGMLQuantizationType)."""
@@ -78,15 +155,21 @@ class GGUFMethod(QuantMethod):
     def tensor_suffixes(self) -> tuple[str, ...]:
         return ("ggml_blocks", "ggml_type")
 
-    def convert(self, prefix: str, tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
-        return repack(tensors["ggml_blocks"], int(tensors["ggml_type"]), prefix)
+    def convert(self, prefix: str, tensors: dict[str, torch.Tensor]) -> QuantizedWeight | KQuantWeight:
+        """K-quants stay raw (KQuantWeight; `settle_parts` decides once the fused linear is whole),
+        the others become group-32 codes."""
+        qtype = int(tensors["ggml_type"])
+        if qtype in KQUANT:
+            return kquant_weight(tensors["ggml_blocks"], qtype, prefix)
+        return repack(tensors["ggml_blocks"], qtype, prefix)
 
 
 def keep_vocab_compressed(net: torch.nn.Module, reader, dtype: torch.dtype, device: torch.device | str) -> list[str]:
     """Keep a GGUF's token_embd (and output, if untied) in their quantized blocks instead of a dense
     table: the LM head, read in full every decode step, runs the blocks kernel (a Q8_0 table is a
-    quarter of float32's bytes), and embedding lookups dequantize their rows. Only where the blocks
-    kernel runs and the table is whole on this rank. Returns the GGUF tensors kept."""
+    quarter of float32's bytes) or, for Q5_K / Q6_K (Q4_K_M's table), the K-quant kernel on the raw
+    rows, and embedding lookups dequantize their rows. Only where that kernel runs and the table is
+    whole on this rank. Returns the GGUF tensors kept."""
     import numpy as np
 
     from kvserve.quant.linear import quantized_linear
@@ -104,9 +187,15 @@ def keep_vocab_compressed(net: torch.nn.Module, reader, dtype: torch.dtype, devi
         if module is None or t is None or module.tp.size != 1 or int(t.tensor_type) not in REPACKABLE:
             continue
         if name not in kept:
-            qw = repack(torch.from_numpy(np.array(np.asarray(t.data))), int(t.tensor_type), name)
-            if qw.shape[0] != module.vocab_size or not qmatmul.supports(qw.shape[1], qw.group_size,
-                                                                       torch.device(device)):
+            raw, qtype = torch.from_numpy(np.array(np.asarray(t.data))), int(t.tensor_type)
+            qw: QuantizedWeight | KQuantWeight
+            if qtype in KQUANT and qtype != Q4_K:
+                qw = kquant_weight(raw, qtype, name)
+                runs = torch.device(device).type == "cpu" and kquant.load() is not None
+            else:
+                qw = repack(raw, qtype, name)
+                runs = qmatmul.supports(qw.shape[1], qw.group_size, torch.device(device))
+            if qw.shape[0] != module.vocab_size or not runs:
                 continue
             kept[name] = quantized_linear(qw, None, dtype, device)
         module.set_kernel(kept[name])

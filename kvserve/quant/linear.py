@@ -406,9 +406,16 @@ class Fp8Linear(_QuantLinear):
         return self.weight_fp8.float() * self.weight_scale[:, None]
 
 
-def quantized_linear(weight: QuantizedWeight | Fp8Weight, bias: torch.Tensor | None, dtype: torch.dtype,
+def quantized_linear(weight: QuantizedWeight | Fp8Weight | object, bias: torch.Tensor | None, dtype: torch.dtype,
                      device: str | torch.device = "cpu") -> _QuantLinear:
-    """The kernel module for a weight: Int4Linear, Int8Linear or Fp8Linear."""
+    """The kernel module for a weight: Int4Linear, Int8Linear, Fp8Linear, or KQuantLinear for raw GGUF
+    K-quant rows (a KQuantWeight, or a list of them: the parts of a fused linear)."""
+    from kvserve.quant.gguf import KQuantWeight  # kquant_linear imports this module: imported here
+
+    if isinstance(weight, (KQuantWeight, list, tuple)):
+        from kvserve.quant.kquant_linear import KQuantLinear
+
+        return KQuantLinear(weight, bias, dtype, device)
     if isinstance(weight, Fp8Weight):
         return Fp8Linear(weight, bias, dtype, device)
     return (Int4Linear if weight.bits == 4 else Int8Linear)(weight, bias, dtype, device)

@@ -54,7 +54,7 @@ def test_repack_round_trips_against_gguf_dequantize(qtype):
 
 
 def test_repack_refuses_other_types_and_bad_rows():
-    assert {Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K} == {Q(t) for t in qgguf.REPACKABLE}
+    assert {Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K} == {Q(t) for t in qgguf.REPACKABLE}  # K: test_kquant
     with pytest.raises(ValueError, match="type 6 cannot be kept compressed"):
         qgguf.repack(torch.zeros(4, 22, dtype=torch.uint8), int(Q.Q5_0), "x")
     with pytest.raises(ValueError, match="'blk.1.attn_q.weight': raw blocks have shape"):

@@ -1,0 +1,104 @@
+"""KQuantLinear: a linear over raw GGUF K-quant rows (Q4_K, Q5_K, Q6_K), read in place.
+
+The rows stay as the file stores them (Q6_K: 210 bytes per 256 weights, a fifth of float32's), so a
+decode step reads ~4x fewer bytes than a dequantized weight. Below `dense_from` tokens the C kernel
+(kvserve/worker/kernels/kquant) multiplies them with int16 activations; from `dense_from` on,
+prefill-sized batches are compute-bound, so the weight is dequantized per call and one F.linear
+runs. A fused linear (q/k/v, gate/up) may hold parts of different K-quant types: each is a range of
+output rows. Without the C kernel, or off the CPU, the weight is dequantized once at build instead
+(path "dense"), as the loader did before these types were kept.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.quant.gguf import KQuantWeight
+from kvserve.quant.linear import _QuantLinear
+from kvserve.worker.kernels import kquant
+
+logger = logging.getLogger(__name__)
+
+DENSE_FROM = 16  # tokens from which dequantize + F.linear beats the kernel (prefill); untuned default
+
+
+class KQuantLinear(_QuantLinear):
+    """y = x @ W.T (+ bias) for W the rows of `parts` stacked in order.
+
+    Buffers: `raw` uint8, every part's rows back to back (one buffer, so `.to()` moves it whole);
+    `parts` lists (qtype, rows, byte offset) per part. `matrix()` is the C view of the buffer."""
+
+    def __init__(self, parts: KQuantWeight | Sequence[KQuantWeight], bias: torch.Tensor | None,
+                 dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
+        parts = [parts] if isinstance(parts, KQuantWeight) else list(parts)
+        device = torch.device(device)
+        n_in = parts[0].shape[1]
+        if any(p.shape[1] != n_in for p in parts) or not 0 < len(parts) <= kquant.MAX_PARTS:
+            raise ValueError(f"K-quant parts must share the input dim and number 1..{kquant.MAX_PARTS}: "
+                             f"{[p.shape for p in parts]}")
+        super().__init__(sum(p.shape[0] for p in parts), n_in, None, bias, dtype, device)
+        self.dense_from = DENSE_FROM
+        self.qtypes = [p.qtype for p in parts]
+        if device.type != "cpu" or kquant.load() is None:
+            self.path = "dense"
+            w = torch.cat([p.dequantize() for p in parts])
+            self.register_buffer("weight", w.to(device=device, dtype=dtype))
+            logger.info("K-quant linear [%d, %d] dequantized to %s: the K-quant kernel runs on a CPU with a C "
+                        "compiler only", self.out_features, n_in, dtype)
+            return
+        self.path = "kquant"
+        self.parts, offset = [], 0
+        for p in parts:
+            self.parts.append((p.qtype, p.shape[0], offset))
+            offset += p.blocks.numel()
+        self.register_buffer("raw", torch.cat([p.blocks.reshape(-1) for p in parts]).to(device))
+
+    def part_rows(self) -> list[tuple[int, torch.Tensor]]:
+        """(qtype, uint8 rows [n, bytes per row]) of each part: views into `raw`."""
+        raw = self._buffers["raw"]
+        return [(q, raw[off: off + n * kquant.row_bytes(q, self.in_features)].view(n, -1))
+                for q, n, off in self.parts]
+
+    def matrix(self) -> kquant.KqMatrix:
+        """The C view of the weight (built once; again if the buffer was moved)."""
+        m = self.__dict__.get("_matrix")
+        raw = self._buffers["raw"]
+        if m is None or self.__dict__.get("_matrix_of") is not raw:
+            m = self.__dict__["_matrix"] = kquant.make_matrix(self.part_rows(), self.in_features)
+            self.__dict__["_matrix_of"] = raw
+        return m
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.path == "dense":
+            return F.linear(x, self.weight.to(x.dtype))
+        if x.shape[0] >= self.dense_from:  # prefill-sized: compute-bound, one dense matmul
+            return F.linear(x, kquant.dequantize(self.matrix()).to(x.dtype))
+        return kquant.matmul(x.float(), self.matrix()).to(x.dtype)
+
+    def _stored_weight(self) -> torch.Tensor:
+        if self.path == "dense":
+            return self.weight.float()
+        return kquant.dequantize(self.matrix())
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W in float32, only those dequantized: an embedding lookup in a K-quant table."""
+        ids = ids.reshape(-1)
+        if self.path == "dense":
+            return self.weight.index_select(0, ids).float()
+        out = torch.empty(ids.numel(), self.in_features)
+        first = 0
+        for qtype, rows in self.part_rows():
+            inside = ((ids >= first) & (ids < first + rows.shape[0])).nonzero().reshape(-1)
+            if inside.numel():
+                picked = rows.index_select(0, ids[inside] - first)
+                out[inside] = kquant.dequantize(kquant.make_matrix([(qtype, picked)], self.in_features))
+            first += rows.shape[0]
+        return out
+
+    def extra_repr(self) -> str:
+        names = {kquant.Q4_K: "Q4_K", kquant.Q5_K: "Q5_K", kquant.Q6_K: "Q6_K"}
+        return f"{super().extra_repr()}, types={'+'.join(names[q] for q in self.qtypes)}"

@@ -1,0 +1,409 @@
+/* GGUF K-quant rows read in place: y = x @ W.T for W in llama.cpp's Q4_K / Q5_K / Q6_K blocks, as
+ * they lie in the file (no repacking, no float copy of the weight).
+ *
+ * Super-blocks of 256 weights along a row (fp16 scalars, little endian):
+ *   Q6_K (210 bytes): ql[128], qh[64], int8 sc[16], d.  w = d sc[i] (q - 32) for 16-weight
+ *     sub-blocks i; in each half of 128 weights (ql + 64h, qh + 32h), weight 32s + j takes its low
+ *     4 bits from ql[j + 32 (s & 1)] (low nibble for s < 2, high for s >= 2) and its top 2 bits
+ *     from qh[j] >> 2s.
+ *   Q5_K (176 bytes): d, dmin, 12 bytes of 6-bit (sc, m) for 8 sub-blocks of 32, qh[32], qs[128].
+ *     w = d sc q - dmin m; sub-block 2c has its low 4 bits in qs[32c + j]'s low nibble, 2c+1 in
+ *     the high nibble, and the 5th bit of sub-block s is bit s of qh[j].
+ *   Q4_K (144 bytes): Q5_K without qh. It is here so a fused linear (q/k/v, gate/up) whose parts
+ *     mix Q4_K with Q5_K / Q6_K (llama.cpp's Q4_K_M: attn_v in Q6_K) runs as one weight.
+ *
+ * Activations (kq_quantize): per token and 32-value block, int16 codes xq (scale xd = amax /
+ * 32767: a product's error is ~1e-5 of its size) and xh = -32 * the sum of the codes of each
+ * 16-value half, exact in float. xh is what centring Q6_K's codes (q - 32) subtracts, so the
+ * kernel multiplies the codes as they are (0..63, unsigned); Q4_K / Q5_K take their mins from it
+ * (over 32 values: xh[2b] + xh[2b+1] = -32 * the block's code sum). Every term of the sum thus uses
+ * the same quantized x, so the error is that of x's rounding times the weights (centred), not
+ * times the raw codes.
+ *
+ * AVX2: a block's 32 codes are built in a register from ql/qh (or qs/qh) and widened to int16 by
+ * unpacking with zero, which interleaves in-lane (weights 0-7 and 16-23, then 8-15 and 24-31);
+ * kq_quantize stores each activation block in that order, so no shuffle runs per weight row. The
+ * products run as _mm256_madd_epi16 (int32 sums: at most 4 x 63 x 32767, exact), are converted to
+ * float once per block and scaled per sub-block. Rows are split between OpenMP threads in
+ * contiguous ranges. A plain C body (activations in natural order) serves the generic level.
+ *
+ * This file is also compiled into the decode stack (decode_stack.py), after other kernel sources:
+ * every name is kq_ / KQ_ prefixed. */
+
+#include <math.h>
+#include <omp.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+enum { KQ_Q4_K = 12, KQ_Q5_K = 13, KQ_Q6_K = 14 };  /* GGMLQuantizationType values */
+#define KQ_MAX_PARTS 4
+#define KQ_TILE 4  /* tokens per pass over a weight row: its blocks are decoded once per KQ_TILE tokens */
+
+/* A weight [n, k]: parts of consecutive output rows, each rows x (k / 256) blocks of one type. */
+typedef struct {
+    int64_t qtype, rows;
+    const uint8_t *data;
+} KqPart;
+typedef struct {
+    int64_t nparts, k;
+    KqPart part[KQ_MAX_PARTS];
+} KqMatrix;
+
+/* sizeof / offsetof of the structs, so the ctypes mirror (kquant.py) is checked against them. */
+void kq_layout(int64_t *out) {
+    out[0] = sizeof(KqPart);
+    out[1] = offsetof(KqPart, rows);
+    out[2] = offsetof(KqPart, data);
+    out[3] = sizeof(KqMatrix);
+    out[4] = offsetof(KqMatrix, k);
+    out[5] = offsetof(KqMatrix, part);
+}
+
+static inline int64_t kq_block_bytes(int64_t qtype) {
+    return qtype == KQ_Q6_K ? 210 : qtype == KQ_Q5_K ? 176 : 144;
+}
+
+static inline float kq_half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, man = h & 1023;
+    uint32_t bits;
+    float f;
+    if (e == 31) bits = sign | 0x7f800000u | (man << 13);
+    else if (e) bits = sign | ((e + 112) << 23) | (man << 13);
+    else {  /* zero or subnormal: man * 2^-24, exact in float */
+        f = (float)man * (1.f / 16777216.f);
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* Q4_K / Q5_K's 12 bytes -> 6-bit scales sc[0..7] and mins m[0..7] (llama.cpp's get_scale_min_k4). */
+static inline void kq_scale_min(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
+    uint32_t u[3], o[4];
+    memcpy(u, s, 12);
+    o[0] = u[0] & 0x3f3f3f3fu;
+    o[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    o[2] = u[1] & 0x3f3f3f3fu;
+    o[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    memcpy(sc, o, 8);
+    memcpy(m, o + 2, 8);
+}
+
+/* Where activation j of a 32-value block is stored: the AVX2 kernels' unpack order, else natural. */
+#if defined(__AVX2__)
+#define KQ_POS(j) (((j) & 7) | (((j) & 8) << 1) | (((j) & 16) >> 1))
+#else
+#define KQ_POS(j) (j)
+#endif
+
+/* x [M, K] (row stride ldx) -> xq int16 [M, K], xd [M, K/32], xh [M, K/16] (see the top). */
+static void kq_quantize(const float *x, int64_t ldx, int64_t M, int64_t K, int16_t *xq, float *xd, float *xh,
+                        int nthreads) {
+    const int64_t nb = K / 32;
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
+    for (int64_t i = 0; i < M * nb; ++i) {
+        const int64_t m = i / nb, b = i % nb;
+        const float *src = x + m * ldx + b * 32;
+        float amax = 0.f;
+        for (int j = 0; j < 32; ++j) { const float a = fabsf(src[j]); amax = a > amax ? a : amax; }
+        const float id = amax > 0.f ? 32767.f / amax : 0.f;
+        int16_t q[32];  /* natural order first: plain loops vectorize, a scattered store does not */
+        int32_t h0 = 0, h1 = 0;
+        for (int j = 0; j < 32; ++j) {
+            const float v = src[j] * id;
+            q[j] = (int16_t)(int)(v + (v >= 0.f ? .5f : -.5f));
+        }
+        for (int j = 0; j < 16; ++j) { h0 += q[j]; h1 += q[16 + j]; }
+        int16_t *dst = xq + m * K + b * 32;
+        for (int c = 0; c < 4; ++c) memcpy(dst + KQ_POS(8 * c), q + 8 * c, 16);
+        xd[i] = amax / 32767.f;
+        xh[2 * i] = -32.f * (float)h0;
+        xh[2 * i + 1] = -32.f * (float)h1;
+    }
+}
+
+#if defined(__AVX2__)
+static inline float kq_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+/* 32 codes (bytes 0..63) against one token's stored block: 8 int32 sums, lanes 0-3 from weights
+   0-15 and lanes 4-7 from weights 16-31. */
+static inline __m256i kq_dot(__m256i lo, __m256i hi, const int16_t *xv) {
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xv)),
+                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xv + 16))));
+}
+
+/* One Q6_K row (nsb super-blocks) against MT tokens; token t's activations at xq + t K, xd + t nb,
+   xh + 2 t nb; y[t ldy]. */
+static inline __attribute__((always_inline)) void kq_q6k_row(
+        const int MT, const uint8_t *row, int64_t nsb, int64_t K, const int16_t *xq, const float *xd,
+        const float *xh, float *y, int64_t ldy) {
+    const int64_t nb = K / 32;
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), zero = _mm256_setzero_si256();
+    const __m256i pair[2] = {_mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)};
+    const int NA = MT < 3 ? 2 : 1;  /* accumulators per token: one fma chain would wait on its latency */
+    __m256 acc[2 * KQ_TILE];
+    for (int t = 0; t < NA * MT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+        const uint8_t *blk = row + sb * 210, *ql = blk, *qh = blk + 128;
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
+        const __m256 dv = _mm256_set1_ps(kq_half(blk + 208));
+        for (int h = 0; h < 2; ++h) {
+            /* d sc[i] xd of sub-blocks 8h..8h+7, per token; the centring term joins acc here */
+            const __m256 s = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(sc, 8) : sc)));
+            __m256 sx[KQ_TILE];
+            for (int t = 0; t < MT; ++t) {
+                const __m256 xdv = _mm256_loadu_ps(xd + t * nb + sb * 8);
+                sx[t] = _mm256_mul_ps(s, _mm256_permutevar8x32_ps(xdv, pair[h]));
+                acc[NA * t] = _mm256_fmadd_ps(sx[t], _mm256_loadu_ps(xh + 2 * t * nb + sb * 16 + 8 * h), acc[NA * t]);
+            }
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            __m256i q[4];  /* 16-bit shifts: bits crossing into the neighbour byte are masked off */
+            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
+            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m30));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
+            for (int s4 = 0; s4 < 4; ++s4) {
+                const __m256i lo = _mm256_unpacklo_epi8(q[s4], zero), hi = _mm256_unpackhi_epi8(q[s4], zero);
+                const __m256i sel = _mm256_setr_epi32(2 * s4, 2 * s4, 2 * s4, 2 * s4, 2 * s4 + 1, 2 * s4 + 1,
+                                                      2 * s4 + 1, 2 * s4 + 1);
+                const int64_t b = sb * 8 + 4 * h + s4;
+                for (int t = 0; t < MT; ++t) {
+                    __m256 *a = acc + NA * t + s4 % NA;
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(kq_dot(lo, hi, xq + t * K + b * 32)),
+                                         _mm256_permutevar8x32_ps(sx[t], sel), *a);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < MT; ++t) y[t * ldy] = kq_hsum8(NA == 2 ? _mm256_add_ps(acc[2 * t], acc[2 * t + 1]) : acc[t]);
+}
+
+/* One Q4_K (HAS_QH 0) or Q5_K (HAS_QH 1) row against MT tokens, as kq_q6k_row. */
+static inline __attribute__((always_inline)) void kq_q45k_row(
+        const int MT, const int HAS_QH, const uint8_t *row, int64_t nsb, int64_t K, const int16_t *xq,
+        const float *xd, const float *xh, float *y, int64_t ldy) {
+    const int64_t nb = K / 32, bytes = HAS_QH ? 176 : 144;
+    const __m256i m4 = _mm256_set1_epi8(15), m10 = _mm256_set1_epi8(0x10), zero = _mm256_setzero_si256();
+    const int NA = MT < 3 ? 2 : 1;
+    __m256 acc[2 * KQ_TILE];
+    for (int t = 0; t < NA * MT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+        const uint8_t *blk = row + sb * bytes, *qs = blk + (HAS_QH ? 48 : 16);
+        uint8_t sc[8], mn[8];
+        kq_scale_min(blk + 4, sc, mn);
+        const __m256 scv = _mm256_mul_ps(_mm256_set1_ps(kq_half(blk)),
+                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc))));
+        /* dmin m / 32 against xh (-32 x code sums) is the min term, -dmin m sum(x), with its sign */
+        const __m256 mnv = _mm256_mul_ps(_mm256_set1_ps(kq_half(blk + 2) * (1.f / 32.f)),
+                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn))));
+        __m256 sx[KQ_TILE];
+        for (int t = 0; t < MT; ++t) {
+            const __m256 xdv = _mm256_loadu_ps(xd + t * nb + sb * 8);
+            const float *hp = xh + 2 * t * nb + sb * 16;
+            /* pairwise sums come out as blocks 0 1 4 5 | 2 3 6 7; the 64-bit permute restores 0..7 */
+            const __m256 pairs = _mm256_castpd_ps(_mm256_permute4x64_pd(
+                _mm256_castps_pd(_mm256_hadd_ps(_mm256_loadu_ps(hp), _mm256_loadu_ps(hp + 8))), 0xD8));
+            sx[t] = _mm256_mul_ps(scv, xdv);
+            acc[NA * t] = _mm256_fmadd_ps(_mm256_mul_ps(mnv, xdv), pairs, acc[NA * t]);
+        }
+        /* bit s of qh moves to bit 4 by a running 16-bit shift: left by 4 first for s < 4, the raw
+           bytes from s = 4 (a left shift by 4 would push the high byte's bits 4-7 out of the word) */
+        const __m256i qh = HAS_QH ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : zero;
+        __m256i hb = _mm256_slli_epi16(qh, 4);
+        for (int c = 0; c < 4; ++c) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            if (c == 2) hb = qh;
+            for (int e = 0; e < 2; ++e) {
+                __m256i q = _mm256_and_si256(e ? _mm256_srli_epi16(v, 4) : v, m4);
+                if (HAS_QH) {
+                    q = _mm256_or_si256(q, _mm256_and_si256(hb, m10));
+                    hb = _mm256_srli_epi16(hb, 1);
+                }
+                const __m256i lo = _mm256_unpacklo_epi8(q, zero), hi = _mm256_unpackhi_epi8(q, zero);
+                const __m256i sel = _mm256_set1_epi32(2 * c + e);
+                const int64_t b = sb * 8 + 2 * c + e;
+                for (int t = 0; t < MT; ++t) {
+                    __m256 *a = acc + NA * t + e % NA;
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(kq_dot(lo, hi, xq + t * K + b * 32)),
+                                         _mm256_permutevar8x32_ps(sx[t], sel), *a);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < MT; ++t) y[t * ldy] = kq_hsum8(NA == 2 ? _mm256_add_ps(acc[2 * t], acc[2 * t + 1]) : acc[t]);
+}
+#define KQ_CASE(T) case T: \
+    if (qtype == KQ_Q6_K) kq_q6k_row(T, row, nsb, K, xq, xd, xh, y, ldy); \
+    else if (qtype == KQ_Q5_K) kq_q45k_row(T, 1, row, nsb, K, xq, xd, xh, y, ldy); \
+    else kq_q45k_row(T, 0, row, nsb, K, xq, xd, xh, y, ldy); \
+    break;
+/* A row against mt <= KQ_TILE tokens: a constant token count keeps the accumulators in registers. */
+static void kq_row(int64_t qtype, int mt, const uint8_t *row, int64_t K, const int16_t *xq, const float *xd,
+                   const float *xh, float *y, int64_t ldy) {
+    const int64_t nsb = K / 256;
+    switch (mt) { KQ_CASE(4) KQ_CASE(3) KQ_CASE(2) default: KQ_CASE(1) }
+}
+#undef KQ_CASE
+
+#else  /* generic */
+
+/* A super-block's 256 codes (natural order), their 16 sub-block scales d sc (Q6_K) or 8 (Q4_K /
+   Q5_K) and the 8 mins dmin m. */
+static void kq_decode(int64_t qtype, const uint8_t *blk, uint8_t q[256], float scale[16], float mins[8]) {
+    if (qtype == KQ_Q6_K) {
+        const float d = kq_half(blk + 208);
+        for (int i = 0; i < 16; ++i) scale[i] = d * (float)(int8_t)blk[192 + i];
+        for (int h = 0; h < 2; ++h)
+            for (int j = 0; j < 128; ++j) {
+                const int s = j / 32, l = j % 32;
+                const uint8_t lo = blk[64 * h + l + 32 * (s & 1)], hb = blk[128 + 32 * h + l];
+                q[128 * h + j] = (uint8_t)(((s < 2 ? lo : lo >> 4) & 15) | (((hb >> (2 * s)) & 3) << 4));
+            }
+        return;
+    }
+    const int has_qh = qtype == KQ_Q5_K;
+    const uint8_t *qs = blk + (has_qh ? 48 : 16);
+    uint8_t sc[8], mn[8];
+    kq_scale_min(blk + 4, sc, mn);
+    const float d = kq_half(blk), dmin = kq_half(blk + 2);
+    for (int s = 0; s < 8; ++s) {
+        scale[s] = d * (float)sc[s];
+        mins[s] = dmin * (float)mn[s];
+        for (int l = 0; l < 32; ++l) {
+            const uint8_t v = qs[32 * (s / 2) + l];
+            q[32 * s + l] = (uint8_t)(((s & 1) ? v >> 4 : v & 15) | (has_qh ? ((blk[16 + l] >> s) & 1) << 4 : 0));
+        }
+    }
+}
+
+static void kq_row(int64_t qtype, int mt, const uint8_t *row, int64_t K, const int16_t *xq, const float *xd,
+                   const float *xh, float *y, int64_t ldy) {
+    const int64_t nb = K / 32, nsb = K / 256, bytes = kq_block_bytes(qtype);
+    float acc[KQ_TILE] = {0.f, 0.f, 0.f, 0.f};
+    uint8_t q[256];
+    float scale[16], mins[8];
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+        kq_decode(qtype, row + sb * bytes, q, scale, mins);
+        for (int t = 0; t < mt; ++t)
+            for (int i = 0; i < 16; ++i) {  /* 16-value halves: Q6_K's sub-blocks */
+                const int64_t b = sb * 8 + i / 2;
+                const int16_t *xv = xq + t * K + b * 32 + (i & 1) * 16;
+                int32_t s = 0;
+                for (int j = 0; j < 16; ++j) s += (int32_t)q[16 * i + j] * xv[j];
+                const float xdv = xd[t * nb + b], h = xh[2 * (t * nb + b) + (i & 1)];
+                if (qtype == KQ_Q6_K) acc[t] += scale[i] * xdv * ((float)s + h);
+                else acc[t] += xdv * (scale[i / 2] * (float)s + mins[i / 2] * (1.f / 32.f) * h);
+            }
+    }
+    for (int t = 0; t < mt; ++t) y[t * ldy] = acc[t];
+}
+#endif
+
+/* y[m, n] (row stride ldy) for output rows n in [n0, n1) and M tokens given as kq_quantize's
+   xq / xd / xh: what one thread of a row split computes. */
+static void kq_rows(const KqMatrix *W, const int16_t *xq, const float *xd, const float *xh, int64_t M, float *y,
+                    int64_t ldy, int64_t n0, int64_t n1) {
+    const int64_t K = W->k, nb = K / 32;
+    int64_t first = 0;
+    for (int64_t p = 0; p < W->nparts; ++p) {
+        const KqPart *P = W->part + p;
+        const int64_t lo = n0 > first ? n0 : first, hi = n1 < first + P->rows ? n1 : first + P->rows;
+        const int64_t row_bytes = K / 256 * kq_block_bytes(P->qtype);
+        for (int64_t n = lo; n < hi; ++n) {
+            const uint8_t *row = P->data + (n - first) * row_bytes;
+            for (int64_t m0 = 0; m0 < M; m0 += KQ_TILE) {
+                const int mt = M - m0 < KQ_TILE ? (int)(M - m0) : KQ_TILE;
+                kq_row(P->qtype, mt, row, K, xq + m0 * K, xd + m0 * nb, xh + 2 * m0 * nb, y + m0 * ldy + n, ldy);
+            }
+        }
+        first += P->rows;
+    }
+}
+
+/* y = x @ W.T for float32 x [M, K] (row stride ldx), y [M, N] (row stride ldy); scratch from malloc. */
+void kq_linear(const KqMatrix *W, int64_t N, const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy,
+               int nthreads) {
+    const int64_t K = W->k, nb = K / 32;
+    int16_t *xq = malloc(sizeof(int16_t) * M * K);
+    float *xd = malloc(sizeof(float) * M * nb * 3), *xh = xd + M * nb;
+    kq_quantize(x, ldx, M, K, xq, xd, xh, nthreads);
+    #pragma omp parallel num_threads(nthreads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        kq_rows(W, xq, xd, xh, M, y, ldy, N * t / nt, N * (t + 1) / nt);
+    }
+    free(xq);
+    free(xd);
+}
+
+/* Rows [n0, n1) of W as float32 into w [n1 - n0, K], each weight computed as gguf's dequantizers do
+   ((d sc) q, less dmin m), so the values match theirs (up to the fused multiply-add the compiler
+   may form for Q4_K / Q5_K: at most one rounding apart). */
+static void kq_dequantize_row(int64_t qtype, const uint8_t *row, int64_t K, float *out) {
+    const int64_t bytes = kq_block_bytes(qtype);
+    for (int64_t sb = 0; sb < K / 256; ++sb) {
+        const uint8_t *blk = row + sb * bytes;
+        float *o = out + sb * 256;
+        if (qtype == KQ_Q6_K) {  /* loops of 16 with one shift and one scale each: they vectorize */
+            const float d = kq_half(blk + 208);
+            for (int h = 0; h < 2; ++h)
+                for (int s = 0; s < 4; ++s)
+                    for (int e = 0; e < 2; ++e) {
+                        const uint8_t *lo = blk + 64 * h + 32 * (s & 1) + 16 * e, *hb = blk + 128 + 32 * h + 16 * e;
+                        const int nib = s < 2 ? 0 : 4, top = 2 * s;
+                        const float ds = d * (float)(int8_t)blk[192 + 8 * h + 2 * s + e];
+                        float *dst = o + 128 * h + 32 * s + 16 * e;
+                        for (int l = 0; l < 16; ++l)
+                            dst[l] = ds * (float)((((lo[l] >> nib) & 15) | (((hb[l] >> top) & 3) << 4)) - 32);
+                    }
+            continue;
+        }
+        const int has_qh = qtype == KQ_Q5_K;
+        const uint8_t *qs = blk + (has_qh ? 48 : 16);
+        uint8_t sc[8], mn[8];
+        kq_scale_min(blk + 4, sc, mn);
+        const float d = kq_half(blk), dmin = kq_half(blk + 2);
+        for (int s = 0; s < 8; ++s) {
+            const float ds = d * (float)sc[s], dm = dmin * (float)mn[s];
+            const uint8_t *v = qs + 32 * (s / 2);
+            const int nib = (s & 1) * 4;
+            if (has_qh)
+                for (int l = 0; l < 32; ++l)
+                    o[32 * s + l] = ds * (float)(((v[l] >> nib) & 15) | (((blk[16 + l] >> s) & 1) << 4)) - dm;
+            else
+                for (int l = 0; l < 32; ++l) o[32 * s + l] = ds * (float)((v[l] >> nib) & 15) - dm;
+        }
+    }
+}
+
+/* W [N, K] as float32 (the dense path of prefill-sized batches, and embedding rows). */
+void kq_dequantize(const KqMatrix *W, float *w, int nthreads) {
+    const int64_t K = W->k;
+    int64_t first = 0;
+    for (int64_t p = 0; p < W->nparts; ++p) {
+        const KqPart *P = W->part + p;
+        const int64_t row_bytes = K / 256 * kq_block_bytes(P->qtype);
+        #pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t n = 0; n < P->rows; ++n) kq_dequantize_row(P->qtype, P->data + n * row_bytes, K, w + (first + n) * K);
+        first += P->rows;
+    }
+}

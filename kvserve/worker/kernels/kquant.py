@@ -1,0 +1,126 @@
+"""GGUF K-quant weights (Q4_K, Q5_K, Q6_K) read in place: the kernels of c/kquant.c.
+
+A weight is a `KqMatrix`: up to MAX_PARTS parts of consecutive output rows, each the raw GGUF rows
+(uint8 [rows, bytes per row]) of one type, so a fused q/k/v or gate/up whose parts differ in type
+(Q4_K_M's Q6_K attn_v beside Q4_K q/k) is one matrix. `matmul` quantizes the activations to int16
+per 32-value block and multiplies in C (decode-sized batches); `dequantize` writes W as float32 for
+the caller's F.linear (prefill-sized batches, where the matmul is compute-bound).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from kvserve.worker.kernels import build
+
+Q4_K, Q5_K, Q6_K = 12, 13, 14  # GGMLQuantizationType values
+BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}  # per 256 weights
+MAX_PARTS = 4
+SOURCE_FILE = Path(__file__).parent / "c" / "kquant.c"
+
+_vp, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "kq_layout": [_vp],
+    "kq_linear": [_vp, _i64, _vp, _i64, _i64, _vp, _i64, _int],
+    "kq_dequantize": [_vp, _vp, _int],
+}
+
+
+class KqPart(ctypes.Structure):
+    _fields_ = [("qtype", ctypes.c_int64), ("rows", ctypes.c_int64), ("data", ctypes.c_void_p)]
+
+
+class KqMatrix(ctypes.Structure):
+    _fields_ = [("nparts", ctypes.c_int64), ("k", ctypes.c_int64), ("part", KqPart * MAX_PARTS)]
+
+
+def source() -> str:
+    """kquant.c's text (the decode stack compiles it into its own library too)."""
+    return SOURCE_FILE.read_text()
+
+
+def check_layout(lib: ctypes.CDLL) -> None:
+    """The ctypes structs against the C ones (sizeof, offsetof): a field out of order fails here."""
+    got = (ctypes.c_int64 * 6)()
+    lib.kq_layout(got)
+    want = (ctypes.sizeof(KqPart), KqPart.rows.offset, KqPart.data.offset, ctypes.sizeof(KqMatrix),
+            KqMatrix.k.offset, KqMatrix.part.offset)
+    if tuple(got) != want:
+        raise RuntimeError(f"KqPart / KqMatrix layout: C says {tuple(got)}, ctypes {want}")
+
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled library for this CPU's ISA level (build.load_library), or None: callers then
+    dequantize with gguf's numpy code. Kept after the first call (reading the source costs ~20 us)."""
+    global _lib, _tried
+    if not _tried:
+        _lib = build.load_library("kquant", source(), _SIGNATURES)
+        if _lib is not None:
+            check_layout(_lib)
+        _tried = True
+    return _lib
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    return k // 256 * BLOCK_BYTES[qtype]
+
+
+def make_matrix(parts: list[tuple[int, torch.Tensor]], k: int) -> KqMatrix:
+    """The C view of parts (qtype, uint8 [rows, row_bytes(qtype, k)] contiguous CPU tensors); the
+    caller keeps the tensors alive as long as the matrix is used."""
+    if not 0 < len(parts) <= MAX_PARTS:
+        raise ValueError(f"a K-quant weight has 1 to {MAX_PARTS} parts, got {len(parts)}")
+    m = KqMatrix(len(parts), k)
+    for i, (qtype, rows) in enumerate(parts):
+        if qtype not in BLOCK_BYTES or k % 256:
+            raise ValueError(f"K-quant part of type {qtype} and {k} columns: needs Q4_K/Q5_K/Q6_K and 256 | k")
+        if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != row_bytes(qtype, k) \
+                or not rows.is_contiguous() or rows.device.type != "cpu":
+            raise ValueError(f"K-quant part of type {qtype}: rows {tuple(rows.shape)} {rows.dtype} on "
+                             f"{rows.device}, expected contiguous uint8 [n, {row_bytes(qtype, k)}] on the CPU")
+        m.part[i] = KqPart(qtype, rows.shape[0], rows.data_ptr())
+    return m
+
+
+def num_rows(m: KqMatrix) -> int:
+    return sum(m.part[i].rows for i in range(m.nparts))
+
+
+def matmul(x: torch.Tensor, m: KqMatrix) -> torch.Tensor:
+    """x [M, K] float32 (rows may be strided, elements dense) -> x @ W.T [M, N] float32."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, k = x.shape
+    if k != m.k:
+        raise ValueError(f"x has {k} columns, the weight {m.k}")
+    n = num_rows(m)
+    y = torch.empty(rows, n)
+    (_lib or load()).kq_linear(ctypes.addressof(m), n, x.data_ptr(), x.stride(0), rows, y.data_ptr(), n,
+                               torch.get_num_threads())
+    return y
+
+
+def dequantize(m: KqMatrix) -> torch.Tensor:
+    """W [N, K] float32."""
+    lib = load()
+    assert lib is not None
+    out = torch.empty(num_rows(m), m.k)
+    lib.kq_dequantize(ctypes.addressof(m), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def reference(qtype: int, rows: torch.Tensor) -> torch.Tensor:
+    """uint8 rows [n, bytes] -> W [n, K] float32 by gguf's numpy dequantizer (no compiler needed)."""
+    from gguf.quants import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    n = rows.shape[0]
+    w = gguf_dequantize(rows.cpu().numpy(), GGMLQuantizationType(qtype))
+    return torch.from_numpy(w.reshape(n, -1).copy())

@@ -1,0 +1,230 @@
+"""GGUF Q4_K / Q5_K / Q6_K linears read in place (worker/kernels/kquant.py, quant/kquant_linear.py):
+the kernels against gguf's own dequantizer at every ISA level this CPU runs, the plumbing from a
+GGUF file to KQuantLinear (fused parts of mixed types, tensor-parallel slices, the token table),
+and the decode stack on such a model against the layer path."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+
+from kvserve.models import load_model
+from kvserve.quant import gguf as qgguf
+from kvserve.quant.base import QuantizedWeight
+from kvserve.quant.kquant_linear import KQuantLinear
+from kvserve.quant.linear import Int4Linear
+from kvserve.worker.kernels import cpu, kquant
+from tests.models.conftest import PagedRunner, kernel_type, make_hf_checkpoint, tiny_tokenizer, write_llama_gguf  # noqa: F401
+from tests.worker.test_decode_stack import _compare, _generate, _stack
+from tests.worker.test_kernels import AVX2_ENV
+
+Q = gguf.GGMLQuantizationType
+KQ = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+def kquant_rows(qtype, rows: int, cols: int, seed: int, d_max: float = 0.02) -> np.ndarray:
+    """Random K-quant rows: any byte pattern is a valid block once the fp16 scales are sane (gguf-py
+    cannot quantize K types). Q4_K / Q5_K get dmin ~ 16 d, which roughly centres their weights."""
+    _, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
+    d = rng.uniform(d_max / 4, d_max, size=(raw.shape[0], 1)).astype(np.float16)
+    if qtype == Q.Q6_K:  # ql[128] qh[64] scales[16] d
+        raw[:, size - 2:] = d.view(np.uint8)
+    else:  # d, dmin, scales[12], (qh[32],) qs[128]
+        raw[:, 0:2] = d.view(np.uint8)
+        raw[:, 2:4] = (d * 16).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def _ref(qtype, raw: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(raw.shape[0], -1).astype(np.float32))
+
+
+def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+def check_kquant() -> list[str]:
+    """Each type (and a fused weight of all three) against x @ W.T in float64 on gguf's dequantized W;
+    returns what failed (run in-process, and in a subprocess per ISA level)."""
+    bad = []
+    parts = []
+    for i, qtype in enumerate(KQ):
+        raw = kquant_rows(qtype, 37, 512, seed=i)  # 37 rows: the threads' row ranges differ in size
+        ref = _ref(qtype, raw)
+        parts.append((int(qtype), torch.from_numpy(raw), ref))
+        m = kquant.make_matrix([(int(qtype), torch.from_numpy(raw))], 512)
+        # one fused multiply-add at most apart from gguf's (d sc) q - dmin m
+        if not torch.allclose(kquant.dequantize(m), ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max())):
+            bad.append(f"dequantize {qtype.name}")
+        for rows in (1, 2, 3, 5, 9, 40):
+            x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+            rel = _rel(kquant.matmul(x, m), x.double() @ ref.double().T)
+            if not rel < 1e-4:
+                bad.append(f"matmul {qtype.name} m={rows}: {rel:.2e}")
+        xs = torch.randn(3, 1024)[:, ::2]  # strided rows: a column slice of a wider tensor
+        if not _rel(kquant.matmul(xs, m), xs.double() @ ref.double().T) < 1e-4:
+            bad.append(f"strided x {qtype.name}")
+    fused = kquant.make_matrix([(q, r) for q, r, _ in parts], 512)
+    ref = torch.cat([w for _, _, w in parts])
+    x = torch.randn(3, 512)
+    if not _rel(kquant.matmul(x, fused), x.double() @ ref.double().T) < 1e-4:
+        bad.append("fused Q4_K + Q5_K + Q6_K")
+    return bad
+
+
+def test_kernels_match_gguf_dequantize():
+    assert kquant.load() is not None, "the C kernel must build here (gcc is part of the setup)"
+    assert check_kquant() == []
+
+
+@pytest.mark.parametrize("level", cpu.runnable_levels())
+def test_every_isa_level_this_cpu_runs(level, tmp_path):
+    """The generic body and each vector level build and pass (avx2 with torch held to AVX2 too)."""
+    env = {**os.environ, "KVSERVE_CPU_ISA": level, "KVSERVE_CACHE_DIR": str(tmp_path)}
+    if level == "avx2":
+        env.update(AVX2_ENV)
+    code = ("import json; from tests.quant.test_kquant import check_kquant; "
+            "from kvserve.worker.kernels import cpu, kquant; assert kquant.load() is not None; "
+            "print(json.dumps({'level': cpu.isa_level(), 'bad': check_kquant()}))")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         check=False, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"level": level, "bad": []}
+
+
+@pytest.mark.parametrize("qtype", [Q.Q5_K, Q.Q6_K])
+def test_linear_kernel_dense_path_and_rows(qtype):
+    raw = kquant_rows(qtype, 48, 768, seed=3)
+    ref = _ref(qtype, raw)
+    bias = torch.randn(48)
+    lin = KQuantLinear(qgguf.kquant_weight(torch.from_numpy(raw), int(qtype), "w"), bias, torch.float32)
+    assert (lin.path, lin.dense_from, lin.out_features, lin.in_features) == ("kquant", 16, 48, 768)
+    for rows in (1, 2, 3, 5, 9, 40):  # 40: dequantize + F.linear
+        x = torch.randn(rows, 768)
+        assert _rel(lin(x), x.double() @ ref.double().T + bias) < (1e-4 if rows < 16 else 1e-6), rows
+    torch.testing.assert_close(lin.dequantize(), ref, rtol=1e-6, atol=1e-6)
+    ids = torch.tensor([47, 0, 5, 5, 31])
+    torch.testing.assert_close(lin.rows(ids), ref[ids], rtol=1e-6, atol=1e-6)
+    assert lin.raw.numel() == raw.size  # the file's bytes, nothing more
+
+
+def test_convert_settle_and_shard():
+    """Q4_K alone goes to the blocks kernel; beside a Q5_K / Q6_K part every part stays raw; a
+    tensor-parallel column slice keeps whole 256-weight blocks raw and dequantizes otherwise."""
+    method = qgguf.GGUFMethod()
+
+    def convert(qtype, rows, seed):
+        raw = torch.from_numpy(kquant_rows(qtype, rows, 512, seed))
+        return method.convert("model.layers.0.self_attn.q_proj",
+                              {"ggml_blocks": raw, "ggml_type": torch.tensor(int(qtype))})
+
+    q4, q6 = convert(Q.Q4_K, 64, 0), convert(Q.Q6_K, 32, 1)
+    assert isinstance(q4, qgguf.KQuantWeight) and q4.shape == (64, 512)
+    alone = qgguf.settle_parts([q4, convert(Q.Q4_K, 32, 2)])
+    assert all(isinstance(p, QuantizedWeight) for p in alone)
+    torch.testing.assert_close(alone[0].dequantize(), q4.dequantize(), rtol=0, atol=0)
+    assert qgguf.settle_parts([q4, q6]) == [q4, q6]
+    q40 = qgguf.repack(torch.from_numpy(gguf.quants.quantize(np.ones((8, 512), np.float32), Q.Q4_0)), 2, "x")
+    assert [type(p) for p in qgguf.settle_parts([q40, q6])] == [QuantizedWeight, qgguf.KQuantWeight]
+    full = q6.dequantize()
+    part = q6.cols(slice(256, 512))
+    assert isinstance(part, qgguf.KQuantWeight) and torch.equal(part.dequantize(), full[:, 256:])
+    assert torch.equal(q6.cols(slice(128, 384)), full[:, 128:384])
+    assert isinstance(q4.cols(slice(128, 384)), QuantizedWeight)
+    assert torch.equal(q6.rows(slice(4, 9)).dequantize(), full[4:9])
+    assert qgguf.REPACKABLE == {Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+
+
+SMALL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+         "tie_word_embeddings": True}
+LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# every linear Q6_K; or llama.cpp's Q4_K_M mix: Q4_K, with Q6_K attn_v (fused with Q4_K q/k) and a
+# Q5_K ffn_down here for the third type
+MIXES = {"q6_k": dict.fromkeys(LINEARS, Q.Q6_K),
+         "q4_k_m": {**dict.fromkeys(LINEARS, Q.Q4_K), "attn_v": Q.Q6_K, "ffn_down": Q.Q5_K}}
+
+
+@pytest.fixture
+def kquant_gguf(make_hf_checkpoint, write_llama_gguf, tmp_path):  # noqa: F811
+    """kquant_gguf(mix) -> a tiny llama GGUF whose linears and token table are random K-quant rows."""
+
+    def make(mix: str):
+        _, hf = make_hf_checkpoint(LlamaConfig(**SMALL))
+        cfg = hf.config
+        shapes = {"attn_q": (256, 256), "attn_k": (128, 256), "attn_v": (128, 256), "attn_output": (256, 256),
+                  "ffn_gate": (512, 256), "ffn_up": (512, 256), "ffn_down": (256, 512)}
+        raw = {"token_embd.weight": (kquant_rows(Q.Q6_K, cfg.vocab_size, 256, 99, 4e-4), Q.Q6_K)}
+        for i in range(cfg.num_hidden_layers):
+            for j, (name, qtype) in enumerate(MIXES[mix].items()):
+                d_max = 4e-4 if qtype == Q.Q6_K else 2e-3  # weights of std ~0.1
+                raw[f"blk.{i}.{name}.weight"] = (kquant_rows(qtype, *shapes[name], 10 * i + j, d_max), qtype)
+        qtypes = {"token_embd": Q.F32, **dict.fromkeys(LINEARS, Q.F32)}
+        return write_llama_gguf(hf, tmp_path / f"{mix}.gguf", qtypes, raw=raw)
+
+    return make
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_tiny_gguf_loads_kquant_linears(kquant_gguf, mix):
+    path = kquant_gguf(mix)
+    packed = load_model(str(path), dtype="float32")
+    plain = load_model(str(path), dtype="float32", quantization="none")
+    layer = packed.model.model.layers[1]
+    for lin in (layer.self_attn.qkv_proj, layer.mlp.down_proj, packed.model.model.embed_tokens):
+        assert kernel_type(lin) is KQuantLinear and lin.kernel.path == "kquant"
+    assert packed.model.lm_head.kernel is packed.model.model.embed_tokens.kernel  # tied: one table
+    if mix == "q4_k_m":
+        assert layer.self_attn.qkv_proj.kernel.qtypes == [Q.Q4_K, Q.Q4_K, Q.Q6_K]
+        assert kernel_type(layer.mlp.gate_up_proj) is Int4Linear  # Q4_K alone: the blocks kernel
+    tokens = [5, 17, 42, 99, 7, 250, 3, 64, 128, 11]
+    logits = []
+    for lm in (packed, plain):
+        runner = PagedRunner(lm.model, lm.hf_config, block_size=4, num_blocks=8)
+        logits.append(torch.cat([runner.step(tokens[:7]), runner.step(tokens[7:8], decode=True),
+                                 runner.step(tokens[8:], decode=False)]))
+    assert torch.isfinite(logits[1]).all() and logits[1].std() > 0.1
+    rel = _rel(logits[0], logits[1].double())
+    print(f"{mix}: logits relative to the dequantized model {rel:.1e}")
+    assert rel < 1e-3  # int16 activations at the decode-sized steps
+    assert logits[0].argmax(-1).tolist() == logits[1].argmax(-1).tolist()
+    w = plain.model.model.layers[1].mlp.down_proj.weight
+    torch.testing.assert_close(layer.mlp.down_proj.kernel.dequantize(), w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_decode_stack_runs_kquant_linears(kquant_gguf, monkeypatch, mix):
+    """Greedy tokens with the stack equal the layer path's, logprobs within 64 float32 ulps."""
+    from kvserve import LLM
+
+    llm = LLM(model=str(kquant_gguf(mix)), dtype="float32", block_size=4, num_kv_blocks=256,
+              check_integrity=True, enable_prefix_caching=False)
+    assert _stack(llm).decode_stack is not None
+    on, calls = _generate(llm, True, monkeypatch)
+    off, _ = _generate(llm, False, monkeypatch)
+    assert calls > 0
+    _compare(on, off)
+
+
+def test_dense_fallback_without_the_kernel(monkeypatch):
+    """No C kernel (or not a CPU): the weight is dequantized once, as before K-quants were kept."""
+    raw = kquant_rows(Q.Q6_K, 16, 256, seed=5)
+    monkeypatch.setattr(kquant, "load", lambda: None)
+    lin = KQuantLinear(qgguf.kquant_weight(torch.from_numpy(raw), int(Q.Q6_K), "w"), None, torch.float32)
+    ref = _ref(Q.Q6_K, raw)
+    assert lin.path == "dense" and torch.equal(lin.weight, ref)
+    x = torch.randn(2, 256)
+    torch.testing.assert_close(lin(x), F.linear(x, ref))
+    assert torch.equal(lin.rows(torch.tensor([3, 1])), ref[[3, 1]])
