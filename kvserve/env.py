@@ -134,6 +134,22 @@ def _tuning_file(path: Path) -> dict[str, Any]:
     return entry
 
 
+def _bandwidth() -> dict[str, Any] | None:
+    """Memory read bandwidth with torch's threads (worker/kernels/bandwidth.py; measured once, cached)."""
+    from kvserve.worker.kernels import bandwidth
+
+    return bandwidth.read_bandwidth()
+
+
+def _bandwidth_line(b: Any) -> str:
+    if b is None or isinstance(b, str):
+        return b or "not measured (no C kernels)"
+    how = "cached" if b["cached"] else "measured now"
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(b["made"]))
+    return f"{b['gb_s']:.1f} GB/s ({b['threads']} threads, best of {len(b['seconds'])} reads of " \
+           f"{b['bytes'] >> 20} MiB; {how}, made {when})"
+
+
 def _cache() -> dict[str, Any]:
     from kvserve.worker.kernels import build
 
@@ -167,7 +183,7 @@ def collect() -> dict[str, Any]:
 
     info = {"versions": _versions(), "cpu": _attempt(_cpu), "torch": _attempt(_torch),
             "c_kernels": _attempt(_c_kernels), "default_model": _attempt(default_model_path),
-            "dtype_auto": _attempt(_dtype_auto)}
+            "dtype_auto": _attempt(_dtype_auto), "memory_bandwidth": _attempt(_bandwidth)}
     # Listed last: building the kernels and choosing the dtype above may have added files.
     return {**info, "cache": _attempt(_cache), "env": _env_vars()}
 
@@ -234,6 +250,7 @@ def format(info: dict[str, Any]) -> str:
     out += _section("C kernels", info["c_kernels"], lambda k: [
         ("compiler", f"{k['compiler']}: {k['compiler_version']}" if k["compiler"] else "none (set CC or install gcc)"),
         *((name, _loads(k[name])) for name, _, _ in C_KERNELS)])
+    out += ["memory", *_rows([("read bandwidth", _bandwidth_line(info["memory_bandwidth"]))])]
     out += _section("cache", info["cache"], lambda c: [
         ("dir", c["dir"]), ("kernels/", c["kernels"]),
         ("tuning/", [f"{e['file']}: {_tuning_line(e)}" for e in c["tuning"]])])

@@ -1,21 +1,32 @@
-"""Single-stream decode and 2k-token prefill on the default GGUF: kvserve's configurations and
-llama.cpp, measured in one run on one machine (issue 11).
+"""Single-stream decode and prefill on a GGUF: kvserve's configurations and llama.cpp, measured in
+one run on one machine, decode judged as a share of the measured memory read bandwidth (issues 11, 30).
 
-    .venv/bin/python scripts/bench_cpu.py [--llama-python PATH] [--configs default,none-f32,...]
-                                          [--threads 2] [--out FILE.json] [--ppl]
+    .venv/bin/python scripts/bench_cpu.py [--model FILE.gguf] [--llama-python PATH]
+        [--configs default,none-f32,...] [--decode-tokens 128] [--prefill 512,2048]
+        [--threads 2] [--out FILE.json] [--ppl]
 
-- kvserve: `LLM(**config)`; decode = 128 greedy tokens after a short prompt (ignore_eos), median
-  of 3 runs, tokens / wall time of generate(); prefill = one request of 2048 prompt tokens and one
-  output token, median of 2 runs (prefix caching off, so nothing is reused).
+- --model: any llama-architecture GGUF (default: the embedded default model), e.g. one written by
+  scripts/make_random_gguf.py (random weights with TinyLlama-1.1B's or Llama-3.2-3B's shapes).
+- kvserve: `LLM(model=FILE, **config)`; decode = --decode-tokens greedy tokens after a short prompt
+  (ignore_eos), median of 3 runs; prefill = one request of each --prefill length (ShareGPT text)
+  and one output token, median of 2 runs (prefix caching off, so nothing is reused).
 - llama.cpp: llama-cpp-python run by `--llama-python` (a python with llama_cpp installed, built
-  for the instruction set you name) on the same file and thread count: decode = 128 tokens of
-  `generate` (top_k=1) after the same prompt; prefill = `eval` of the same 2048 token ids.
+  for the instruction set you name) on the same file, thread count and token ids: decode =
+  `generate` (top_k=1), median of 3 runs after a warm-up; prefill = `eval` of the same ids.
 Each configuration runs in a fresh process, so none sees another's caches or threads.
 
---ppl: what int8 activations cost in perplexity. Every quantized linear of the default model is
-forced through the blocks kernel at every batch size (prefill included, where the dense path
-would otherwise run), with float32 and then int8 activations, and scored with `kvserve eval ppl`'s
-recipe (ShareGPT, 16,384 tokens, windows of 1024 every 512). Takes ~10 minutes on 2 cores.
+Two decode rates: `tok/s` is tokens over the wall time of the whole request (as recorded before
+issue 30); `decode-only` is the tokens after the first over the time after the first, the rate the
+bandwidth share is computed from. Bytes read per decoded token = the weights (kvserve: the
+engine's resident weight bytes; llama.cpp: the GGUF's tensor data, which it reads in place) + the
+K/V of the context at the middle of the decode (kvserve in its KV dtype, llama.cpp in F16). The
+share = bytes per token x decode-only tok/s / the read bandwidth (kvserve.worker.kernels.bandwidth:
+a streaming read with --threads threads, measured at the start of each run).
+
+--ppl: what int8 activations cost in perplexity on the default model. Every quantized linear is
+forced through the blocks kernel at every batch size (prefill included), with float32 and then
+int8 activations, scored with `kvserve eval ppl`'s recipe (ShareGPT, 16,384 tokens, windows of
+1024 every 512). Takes ~10 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -23,13 +34,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
 import time
 
 PROMPT = "Tell me a story about a cat."
-DECODE_TOKENS, PREFILL_TOKENS = 128, 2048
+KV_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+LLAMA_KV_BYTES = 2  # llama.cpp's default K/V cache type is F16
 
 # name -> (LLM keyword arguments, extra environment)
 CONFIGS = {
@@ -43,59 +56,70 @@ CONFIGS = {
 }
 
 
-def _prefill_ids(tokenizer) -> list[int]:
-    from kvserve.eval.ppl import load_text_tokens
-
-    return load_text_tokens(tokenizer, "sharegpt", PREFILL_TOKENS)
-
-
-def run_kvserve(kwargs: dict) -> dict:
+def run_kvserve(spec: dict) -> dict:
     from kvserve import LLM, SamplingParams
 
-    llm = LLM(enable_prefix_caching=False, **kwargs)
-    greedy = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0, ignore_eos=True)
+    n = spec["decode_tokens"]
+    llm = LLM(model=spec["model"], enable_prefix_caching=False, **spec["kwargs"])
+    greedy = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
-    decode = []
+    decode, decode_only = [], []
     for _ in range(3):
         t = time.perf_counter()
-        llm.generate([PROMPT], greedy, use_tqdm=False)
-        decode.append(DECODE_TOKENS / (time.perf_counter() - t))
-    ids = _prefill_ids(llm.get_tokenizer())
-    prefill = []
-    for _ in range(2):
-        t = time.perf_counter()
-        llm.generate([ids], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
-        prefill.append(len(ids) / (time.perf_counter() - t))
+        out = llm.generate([PROMPT], greedy, use_tqdm=False)[0]
+        decode.append(n / (time.perf_counter() - t))
+        m = out.metrics
+        if m is not None and m.first_token_time and m.last_token_time and m.last_token_time > m.first_token_time:
+            decode_only.append((n - 1) / (m.last_token_time - m.first_token_time))
+    prefill = {}
+    for length in spec["prefill"]:
+        ids = spec["ids"][:length]
+        runs = []
+        for _ in range(2):
+            t = time.perf_counter()
+            llm.generate([ids], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+            runs.append(len(ids) / (time.perf_counter() - t))
+        prefill[str(length)] = {"tok_s": statistics.median(runs), "runs": runs}
     info = llm.stats()
     return {"decode_tok_s": statistics.median(decode), "decode_runs": decode,
-            "prefill_tok_s": statistics.median(prefill), "prefill_runs": prefill,
-            "dtype": str(llm.engine.dtype).removeprefix("torch."), "quantization": info.get("quantization")}
+            "decode_only_tok_s": statistics.median(decode_only) if decode_only else None,
+            "prompt_tokens": len(out.prompt_token_ids), "prefill": prefill,
+            "dtype": str(llm.engine.dtype).removeprefix("torch."), "quantization": info.get("quantization"),
+            "weight_bytes": info["weight_bytes"], "kv_bytes_per_element": KV_BYTES.get(info["kv_cache_dtype"], 4)}
 
 
-def run_llama_cpp(path: str, threads: int, prefill_ids: list[int]) -> dict:
+def run_llama_cpp(spec: dict) -> dict:
     from llama_cpp import Llama
 
-    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=4096, n_batch=512,
-                verbose=False, seed=0)
+    n = spec["decode_tokens"]
+    llm = Llama(model_path=spec["model"], n_threads=spec["threads"], n_threads_batch=spec["threads"],
+                n_ctx=spec["n_ctx"], n_batch=512, verbose=False, seed=0)
     toks = llm.tokenize(PROMPT.encode())
-    decode = []
-    for _ in range(4):
+    decode, decode_only = [], []
+    for _ in range(4):  # the first run warms up and is dropped
         llm.reset()
         t = time.perf_counter()
-        n = 0
+        count, first = 0, None
         for _tok in llm.generate(toks, top_k=1, temp=0.0):
-            n += 1
-            if n == DECODE_TOKENS:
+            count += 1
+            first = first or time.perf_counter()
+            if count == n:
                 break
-        decode.append(n / (time.perf_counter() - t))
-    prefill = []
-    for _ in range(2):
-        llm.reset()
-        t = time.perf_counter()
-        llm.eval(prefill_ids)
-        prefill.append(len(prefill_ids) / (time.perf_counter() - t))
+        end = time.perf_counter()
+        decode.append(count / (end - t))
+        if count > 1:
+            decode_only.append((count - 1) / (end - first))
+    prefill = {}
+    for length in spec["prefill"]:
+        runs = []
+        for _ in range(2):
+            llm.reset()
+            t = time.perf_counter()
+            llm.eval(spec["ids"][:length])
+            runs.append(length / (time.perf_counter() - t))
+        prefill[str(length)] = {"tok_s": statistics.median(runs), "runs": runs}
     return {"decode_tok_s": statistics.median(decode[1:]), "decode_runs": decode[1:],
-            "prefill_tok_s": statistics.median(prefill), "prefill_runs": prefill}
+            "decode_only_tok_s": statistics.median(decode_only[1:]), "prompt_tokens": len(toks), "prefill": prefill}
 
 
 def run_ppl() -> dict:
@@ -123,61 +147,142 @@ def _child(args: argparse.Namespace) -> None:
     if spec["kind"] == "ppl":
         result = run_ppl()
     elif spec["kind"] == "llama.cpp":
-        result = run_llama_cpp(spec["path"], spec["threads"], spec["ids"])
+        result = run_llama_cpp(spec)
     else:
-        result = run_kvserve(spec["kwargs"])
+        result = run_kvserve(spec)
     print("RESULT " + json.dumps(result), flush=True)
 
 
 def _run(python: str, spec: dict, env: dict) -> dict:
     out = subprocess.run([python, os.path.abspath(__file__), "--child", json.dumps(spec)], env=env,
-                         capture_output=True, text=True, timeout=1800)
+                         capture_output=True, text=True, timeout=3600)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:
         raise RuntimeError(f"{spec.get('kind', 'kvserve')} failed:\n{out.stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def model_geometry(path: str) -> dict:
+    """What the bandwidth share needs of a GGUF: its tensor data bytes and its K/V per token."""
+    from kvserve.models.gguf_loader import gguf_config, open_gguf
+
+    reader = open_gguf(path)
+    cfg = gguf_config(reader, path)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return {"tensor_bytes": sum(int(t.n_bytes) for t in reader.tensors), "file_bytes": os.path.getsize(path),
+            "layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads, "head_dim": head_dim,
+            # K and V elements one token adds to every layer's cache
+            "kv_elements_per_token": 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim}
+
+
+def bandwidth_share(r: dict, weight_bytes: int, kv_element_bytes: int, geo: dict, decode_tokens: int,
+                    gb_s: float | None) -> None:
+    """Add bytes read per decoded token, GB/s and % of the read bandwidth to a decode result."""
+    context = r["prompt_tokens"] + (decode_tokens + 1) / 2  # the middle of the decode
+    kv = context * geo["kv_elements_per_token"] * kv_element_bytes
+    r["bytes_per_token"] = weight_bytes + kv
+    r["weight_bytes_per_token"], r["kv_bytes_per_token"] = weight_bytes, kv
+    rate = r.get("decode_only_tok_s")
+    r["read_gb_s"] = r["bytes_per_token"] * rate / 1e9 if rate else None
+    r["bandwidth_pct"] = 100 * r["read_gb_s"] / gb_s if rate and gb_s else None
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(results: dict) -> None:
+    bw = results["bandwidth"]
+    print(f"\ncpu        {results['cpu']} ({results['isa_level']}; {' '.join(results['flags'])})")
+    print(f"threads    {results['threads']}; read bandwidth "
+          + (f"{bw['gb_s']:.1f} GB/s ({bw['bytes'] >> 20} MiB, best of {len(bw['seconds'])} reads)" if bw else "n/a"))
+    geo = results["geometry"]
+    print(f"model      {results['model']} ({geo['file_bytes'] / 2**20:.0f} MiB)")
+    print(f"command    {results['command']}")
+    lengths = results["prefill_lengths"]
+    head = (f"{'engine':44s} {'decode tok/s':>12s} {'decode-only':>11s} {'MB/token':>9s} {'GB/s':>6s} "
+            f"{'% of BW':>7s}" + "".join(f" {'prefill ' + str(n):>13s}" for n in lengths))
+    print(f"\n{head}\n{'-' * len(head)}")
+    for name, r in results["runs"].items():
+        label = name if name == "llama.cpp" else f"kvserve {name} ({r['dtype']}, {r['quantization']})"
+        print(f"{label[:44]:44s} {r['decode_tok_s']:12.1f} {_fmt(r['decode_only_tok_s'], '11.1f')} "
+              f"{r['bytes_per_token'] / 1e6:9.1f} {_fmt(r['read_gb_s'], '6.1f')} {_fmt(r['bandwidth_pct'], '6.1f')}%"
+              + "".join(f" {r['prefill'][str(n)]['tok_s']:13.1f}" for n in lengths), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--model", default=None, help="a GGUF file (default: the embedded default model)")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="kvserve configurations, comma-separated")
     p.add_argument("--llama-python", default=None, help="a python with llama_cpp installed")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--out", default=None)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--prefill", default="2048", help="prompt lengths, comma-separated (e.g. 512,2048)")
+    p.add_argument("--out", default=None, help="write every number as JSON")
     p.add_argument("--ppl", action="store_true", help="also measure int8 activations' perplexity cost")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return _child(args)
-    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         p.error(f"--configs: unknown {', '.join(unknown)} (known: {', '.join(CONFIGS)})")
-    from kvserve.models.loader import default_model_path, load_tokenizer
-    from kvserve.worker.kernels import cpu
+    try:
+        lengths = [int(n) for n in args.prefill.split(",") if n]
+    except ValueError:
+        p.error(f"--prefill: comma-separated token counts, got {args.prefill!r}")
+    if args.decode_tokens < 2 or any(n < 1 for n in lengths):
+        p.error("--decode-tokens must be at least 2 and every --prefill length at least 1")
+    results = measure_all(args, configs, lengths)
+    print_table(results)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
 
-    path = default_model_path()
+
+def measure_all(args: argparse.Namespace, configs: list[str], lengths: list[int]) -> dict:
+    import torch
+
+    from kvserve.eval.ppl import load_text_tokens
+    from kvserve.models.loader import default_model_path, load_tokenizer
+    from kvserve.worker.kernels import bandwidth, cpu
+
+    path = os.path.abspath(args.model) if args.model else default_model_path()
+    geo = model_geometry(path)
+    torch.set_num_threads(args.threads)
+    # Measured now (and cached for `kvserve env`): a number cached on a busy day would flatter every share.
+    bw = bandwidth.read_bandwidth(args.threads, refresh=True)
+    gb_s = bw["gb_s"] if bw else None
+    ids = load_text_tokens(load_tokenizer(path), "sharegpt", max(lengths)) if lengths else []
+    if len(ids) < max(lengths, default=0):
+        raise SystemExit(f"the ShareGPT text gave only {len(ids)} tokens for --prefill {max(lengths)}")
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     results = {"cpu": cpu.cpu_model(), "flags": cpu.reported_flags(), "isa_level": cpu.isa_level(),
-               "threads": args.threads, "model": path, "runs": {}}
-    for name in args.configs.split(","):
+               "threads": args.threads, "bandwidth": bw, "model": path, "geometry": geo,
+               "command": shlex.join([os.path.relpath(sys.executable), *sys.argv]),
+               "decode_tokens": args.decode_tokens, "prefill_lengths": lengths, "runs": {}}
+    common = {"model": path, "decode_tokens": args.decode_tokens, "prefill": lengths, "ids": ids}
+    for name in configs:
         kwargs, extra = CONFIGS[name]
-        r = _run(sys.executable, {"kind": "kvserve", "kwargs": kwargs}, {**env, **extra})
+        r = _run(sys.executable, {"kind": "kvserve", "kwargs": kwargs, **common}, {**env, **extra})
+        bandwidth_share(r, r["weight_bytes"], r["kv_bytes_per_element"], geo, args.decode_tokens, gb_s)
         results["runs"][name] = r
-        print(f"kvserve {name:18s} decode {r['decode_tok_s']:6.1f} tok/s  prefill {r['prefill_tok_s']:6.1f} tok/s"
-              f"  ({r['dtype']}, {r['quantization']})", flush=True)
+        print(f"kvserve {name}: decode {r['decode_tok_s']:.1f} tok/s, {_fmt(r['bandwidth_pct'], '.1f')}% of "
+              f"bandwidth ({r['dtype']}, {r['quantization']})", flush=True)
     if args.llama_python:
-        ids = _prefill_ids(load_tokenizer(None))
-        r = _run(args.llama_python, {"kind": "llama.cpp", "path": path, "threads": args.threads, "ids": ids}, env)
+        n_ctx = max([*lengths, 64 + args.decode_tokens]) + 64
+        r = _run(args.llama_python, {"kind": "llama.cpp", "threads": args.threads, "n_ctx": n_ctx, **common}, env)
+        r.update(dtype="-", quantization="gguf")
+        bandwidth_share(r, geo["tensor_bytes"], LLAMA_KV_BYTES, geo, args.decode_tokens, gb_s)
         results["runs"]["llama.cpp"] = r
-        print(f"llama.cpp {'':17s} decode {r['decode_tok_s']:6.1f} tok/s  prefill {r['prefill_tok_s']:6.1f} tok/s",
+        print(f"llama.cpp: decode {r['decode_tok_s']:.1f} tok/s, {_fmt(r['bandwidth_pct'], '.1f')}% of bandwidth",
               flush=True)
     if args.ppl:
         r = results["ppl"] = _run(sys.executable, {"kind": "ppl"}, env)
         print(f"perplexity, every linear through the blocks kernel: float32 activations {r['float32']:.4f}, "
               f"int8 {r['int8']:.4f} ({100 * (r['int8'] / r['float32'] - 1):+.2f}%)", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    return results
 
 
 if __name__ == "__main__":

@@ -1,0 +1,41 @@
+"""scripts/bench_cpu.py's arithmetic: bytes read per decoded token and the share of bandwidth."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_cpu.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_cpu", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bandwidth_share(bench):
+    # TinyLlama's K/V: 22 layers x 4 heads x 64 dims, K and V
+    geo = {"kv_elements_per_token": 2 * 22 * 4 * 64}
+    r = {"prompt_tokens": 9, "decode_only_tok_s": 20.0}
+    bench.bandwidth_share(r, weight_bytes=600_000_000, kv_element_bytes=4, geo=geo, decode_tokens=127, gb_s=30.0)
+    kv = (9 + 64) * 11264 * 4  # the context at the middle of the decode
+    assert r["kv_bytes_per_token"] == kv and r["bytes_per_token"] == 600_000_000 + kv
+    assert r["read_gb_s"] == pytest.approx((600_000_000 + kv) * 20 / 1e9)
+    assert r["bandwidth_pct"] == pytest.approx(100 * r["read_gb_s"] / 30.0)
+
+
+def test_no_rate_or_no_bandwidth_gives_no_share(bench):
+    geo = {"kv_elements_per_token": 8}
+    r = {"prompt_tokens": 1, "decode_only_tok_s": None}
+    bench.bandwidth_share(r, 100, 2, geo, 8, 10.0)
+    assert r["read_gb_s"] is None and r["bandwidth_pct"] is None
+    r = {"prompt_tokens": 1, "decode_only_tok_s": 5.0}
+    bench.bandwidth_share(r, 100, 2, geo, 8, None)
+    assert r["read_gb_s"] > 0 and r["bandwidth_pct"] is None
