@@ -20,9 +20,14 @@ from kvserve.worker.kernels import cpu, ops, qmatmul
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
-def _blocks(bits: int, n: int, k: int, group: int | None, seed: int = 0):
+def _blocks(bits: int, n: int, k: int, group: int | None, seed: int = 0, symmetric: bool = False,
+            half: bool = False):
+    """Random codes; symmetric: no offsets; half: scales float16 holds exactly (as a GGUF Q4_0's)."""
     g = torch.Generator().manual_seed(seed)
-    qw = quantize_rtn(torch.randn(n, k, generator=g) * 0.05, bits, group, symmetric=False)
+    qw = quantize_rtn(torch.randn(n, k, generator=g) * 0.05, bits, group, symmetric=symmetric)
+    if half:
+        qw.scale = qw.scale.half().float()
+        qw.offset = -(2 ** (bits - 1)) * qw.scale
     return qw, qmatmul.Blocks.from_codes(qw.q, qw.scale, qw.offset, bits)
 
 
@@ -31,16 +36,24 @@ def check_qmatmul() -> list[str]:
     returns what failed (run in-process, and in a subprocess per ISA level)."""
     bad = []
     for bits in (4, 8):
-        for n, k, group in ((1, 32, 32), (37, 96, 32), (64, 800, 160), (130, 256, None)):
-            qw, w = _blocks(bits, n, k, group)
+        # symmetric codes store no offsets (Blocks.c is None): the kernels' other branch
+        # symmetric codes store no offsets (Blocks.c is None), and scales exact in float16 are kept
+        # so (Blocks.kind has HALF_SCALES): the kernels' other branches; 300 rows span two
+        # SCALE_ROWS chunks of widened scales per thread
+        for n, k, group, sym, half in ((1, 32, 32, False, False), (37, 96, 32, False, False),
+                                       (64, 800, 160, False, False), (130, 256, None, False, False),
+                                       (40, 160, 32, True, False), (300, 96, 32, True, True)):
+            qw, w = _blocks(bits, n, k, group, symmetric=sym, half=half)
+            if sym and w.c is not None or half != (w.kind != bits):
+                bad.append(f"layout: offsets {w.c is not None}, kind {w.kind} for {bits}-bit {n}x{k}")
             dense = qw.dequantize()
             if not (torch.allclose(qmatmul.dequantize(w), dense, rtol=1e-6, atol=1e-7)
                     and torch.allclose(qmatmul.reference(w), dense, rtol=1e-6, atol=1e-7)):
                 bad.append(f"dequantize {bits}-bit {n}x{k}")
-            for m in (1, 3, 4, 5, 12, 17, 130):  # 12+: the panel path; 130 spans two token chunks
+            for m in (1, 2, 3, 4, 5, 9, 12, 17, 130):  # 12+: the panel path; 130 spans two token chunks
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
                 ref = F.linear(x, dense)
-                for mode, tol in (("float32", 2e-6), ("int8", 2e-2)):
+                for mode, tol in (("float32", 2e-6), ("int8", 2e-2), ("int16", 1e-4)):
                     y = qmatmul.matmul(x, w, mode)
                     rel = float((y - ref).norm() / ref.norm())
                     if not rel < tol:

@@ -35,18 +35,22 @@ from typing import Any
 import torch
 
 from kvserve.attention import cpu_kernel
-from kvserve.worker.kernels import build, ops, qmatmul
+from kvserve.worker.kernels import build, kquant, ops, qmatmul
 
 logger = logging.getLogger(__name__)
 
 DENSE_MAX_ROWS = 8  # float32 weights: from here torch's GEMM beats this file's row-at-a-time dot products
+LIN_KQUANT = 100  # _DRIVER's Lin kind for raw GGUF K-quant rows (kquant.c)
 
 _DRIVER = r"""
-enum { LIN_DENSE = 0 };  /* else kind = bits (4 or 8) of a blocks weight */
+/* else kind = bits (4 or 8) of a blocks weight; LIN_KQUANT: raw GGUF K-quant rows (kquant.c) whose
+   parts may differ in type (a fused q/k/v of Q4_K and Q6_K), so the types live in its KqMatrix (w) */
+enum { LIN_DENSE = 0, LIN_KQUANT = 100 };
 typedef struct {
     int64_t kind, act, n, k;  /* act: qmatmul's ACT_FLOAT / ACT_INT8 / ACT_INT16 */
     const void *w;          /* dense: float [n, k]; blocks: codes */
-    const float *d, *c;     /* blocks: scale and offset [n, k / 32] */
+    const void *d;          /* blocks: scales [n, k / 32], float32 or float16 (kind | HALF_SCALES) */
+    const float *c;         /* blocks: offsets [n, k / 32], or NULL */
     const float *bias;      /* [n] or NULL */
 } Lin;
 typedef struct {
@@ -70,15 +74,14 @@ static inline void share(int64_t n, int64_t *n0, int64_t *n1) {
 /* y [m, L->n] (row stride ldy) = x [m, L->k] @ W.T + bias, by every thread of the region; x's
    block sums / int8 or int16 codes go into xs / xq first (thread 0). Ends at a barrier. */
 static void lin_run(const Lin *L, const float *x, int64_t m, float *y, int64_t ldy, float *xs, void *xq) {
+    const int act = act_for(L->act, m);  /* the rule qlinear applies, so both paths sum alike */
     const int64_t nb = L->k / 32;
-    if (L->kind != LIN_DENSE) {
+    if (L->kind == LIN_KQUANT) {  /* int16 codes; scales xd [m nb] and half sums xh [2 m nb] in xs */
         #pragma omp single
-        {
-            if (L->act == ACT_INT8) quantize_act(x, L->k, m, L->k, (int8_t *)xq, xs + m * nb, xs, xs + 2 * m * nb, 1);
-            else if (L->act == ACT_INT16)
-                quantize_act16(x, L->k, m, L->k, (int16_t *)xq, xs + m * nb, xs, xs + 2 * m * nb, 1);
-            else block_sums(x, L->k, m, L->k, xs);
-        }  /* implicit barrier */
+        kq_quantize(x, L->k, m, L->k, (int16_t *)xq, xs, xs + m * nb, 1);  /* implicit barrier */
+    } else if (L->kind != LIN_DENSE) {
+        #pragma omp single
+        prepare_act(act, x, L->k, m, L->k, xq, xs, 1);  /* implicit barrier */
     }
     int64_t n0, n1;
     share(L->n, &n0, &n1);
@@ -92,14 +95,10 @@ static void lin_run(const Lin *L, const float *x, int64_t m, float *y, int64_t l
                 for (int64_t i = 0; i < L->k; ++i) s += wr[i] * xr[i];
                 y[t * ldy + n] = s;
             }
-    } else if (L->act == ACT_INT8) {
-        qgemm_int8act((int)L->kind, L->w, L->d, L->c, L->k, (const int8_t *)xq, xs + m * nb, xs, xs + 2 * m * nb, m, y,
-                      ldy, n0, n1);
-    } else if (L->act == ACT_INT16) {
-        qgemm_int16act((int)L->kind, L->w, L->d, L->c, L->k, (const int16_t *)xq, xs + m * nb, xs, xs + 2 * m * nb, m,
-                       y, ldy, n0, n1);
+    } else if (L->kind == LIN_KQUANT) {
+        kq_rows((const KqMatrix *)L->w, (const int16_t *)xq, xs, xs + m * nb, m, y, ldy, n0, n1);
     } else {
-        qgemm_floatact((int)L->kind, L->w, L->d, L->c, L->k, x, L->k, xs, m, y, ldy, n0, n1);
+        qgemm_rows(act, (int)L->kind, L->w, L->d, L->c, L->k, x, L->k, xq, xs, m, y, ldy, n0, n1);
     }
     if (L->bias)
         for (int64_t t = 0; t < m; ++t)
@@ -199,7 +198,7 @@ _SIGNATURES = {"decode_stack": [_vp, _i64, _vp, _i64, _vp, _vp, _vp, _vp, _vp, _
 
 def load() -> ctypes.CDLL | None:
     """The compiled library, or None (callers keep the Python path)."""
-    source = "#include <omp.h>\n" + qmatmul.SOURCE + ops.SOURCE + cpu_kernel.SOURCE + _DRIVER
+    source = "#include <omp.h>\n" + qmatmul.SOURCE + ops.SOURCE + cpu_kernel.SOURCE + kquant.source() + _DRIVER
     return build.load_library("decode_stack", source, _SIGNATURES)
 
 
@@ -207,9 +206,10 @@ class Unsupported(Exception):
     """What the stack does not model (the message says what)."""
 
 
-def _lin(module: Any) -> tuple[_Lin, int, list[torch.Tensor]]:
-    """A ParallelLinear as the C struct, the most rows its kernel runs at, and the tensors it
-    points into (kept alive by the stack)."""
+def _lin(module: Any) -> tuple[_Lin, int, list[Any]]:
+    """A ParallelLinear as the C struct, the most rows its kernel runs at, and the tensors (and C
+    structs) it points into (kept alive by the stack)."""
+    from kvserve.quant.kquant_linear import KQuantLinear
     from kvserve.quant.linear import _GroupCodes
 
     if module.tp.size != 1:
@@ -225,11 +225,15 @@ def _lin(module: Any) -> tuple[_Lin, int, list[torch.Tensor]]:
         if w.dtype != torch.float32 or not w.is_contiguous() or w.device.type != "cpu":
             raise Unsupported(f"a {w.dtype} dense weight")
         return _Lin(0, 0, w.shape[0], w.shape[1], w.data_ptr(), None, None, bias_ptr), DENSE_MAX_ROWS, keep + [w]
+    if isinstance(kernel, KQuantLinear) and kernel.path == "kquant":
+        m = kquant.make_matrix(kernel.part_rows(), kernel.in_features)  # the stack's own copy, into `raw`
+        lin = _Lin(LIN_KQUANT, 0, kernel.out_features, kernel.in_features, ctypes.addressof(m), None, None, bias_ptr)
+        return lin, kernel.dense_from, keep + [kernel.raw, m]
     if not isinstance(kernel, _GroupCodes) or kernel.path != "blocks" or kernel.perm is not None:
         raise Unsupported(f"a {type(kernel).__name__} linear ({getattr(kernel, 'path', '?')} path)")
     b = kernel.blocks()
     n, k = b.shape
-    lin = _Lin(b.bits, qmatmul.MODES.index(kernel.activations), n, k, b.codes.data_ptr(), b.d.data_ptr(),
+    lin = _Lin(b.kind, qmatmul.MODES.index(kernel.activations), n, k, b.codes.data_ptr(), b.d.data_ptr(),
                None if b.c is None else b.c.data_ptr(), bias_ptr)
     return lin, kernel.dense_from, keep + [t for t in (b.codes, b.d, b.c) if t is not None]
 

@@ -607,42 +607,127 @@ static void qgemm_floatact(int bits, const uint8_t *wq, const float *wd, const f
     }
 }
 
-/* y = x @ W.T for float32 x [M, K] (row stride ldx). act: ACT_FLOAT multiplies float activations;
-   ACT_INT8 / ACT_INT16 quantize x per 32-value block first (scratch from malloc). From PANEL_FROM
-   tokens int16 takes the float panels instead: there the weight decode is shared by many tokens,
-   and exact floats cost nothing more. */
+/* float16 <-> float32 for scales: F16C 8 at a time where the ISA level has it, else bit by bit. */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t exp = (h >> 10) & 31, man = h & 1023;
+    uint32_t u;
+    float f;
+    if (exp == 0) {  /* zero and subnormals: man * 2^-24 */
+        f = ldexpf((float)man, -24);
+        memcpy(&u, &f, 4);
+    } else {
+        u = exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13);
+    }
+    u |= (uint32_t)(h & 0x8000) << 16;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static void halves_to_floats(const uint16_t *h, float *f, int64_t n) {
+    int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; ++i) f[i] = half_to_float(h[i]);
+}
+/* A per-thread buffer for widened scales, apart from the panels' thread_scratch. */
+static float *scale_scratch(size_t n) {
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (n > cap) {
+        free(buf);
+        buf = malloc(n * sizeof(float));
+        cap = n;
+    }
+    return buf;
+}
+
+/* Activations: exact floats, or int8 / int16 codes per 32-value block (quantize_act / _act16). */
 enum { ACT_FLOAT = 0, ACT_INT8 = 1, ACT_INT16 = 2 };
-void qlinear(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t N, int64_t K,
-             const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy, int act, int nthreads) {
+/* Or'ed into `bits`: the scales d are float16 [N, K/32] (a GGUF Q4_0 / Q8_0 scale is one, exactly):
+   a 4-bit weight then takes 18 bytes per 32 weights, as in the file, instead of 20. */
+#define HALF_SCALES 16
+/* Rows whose float16 scales are widened at a time into a float buffer the kernels read: 256 rows
+   of a 2048-wide weight is 16 KB, so the widened copy never leaves the core's cache. */
+#define SCALE_ROWS 256
+
+static void qgemm_dispatch(int act, int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t K,
+                           const float *x, int64_t ldx, const void *xq, const float *xs, int64_t M, float *y,
+                           int64_t ldy, int64_t n0, int64_t n1) {
     const int64_t nb = K / 32;
-    if (act == ACT_INT16 && M >= PANEL_FROM) act = ACT_FLOAT;
-    float *xs = malloc(sizeof(float) * M * nb * 3);
-    void *xq = act != ACT_FLOAT ? malloc((size_t)(M * K) * (act == ACT_INT16 ? 2 : 1)) : 0;
+    if (act == ACT_INT8)
+        qgemm_int8act(bits, wq, wd, wc, K, xq, xs + M * nb, xs, xs + 2 * M * nb, M, y, ldy, n0, n1);
+    else if (act == ACT_INT16)
+        qgemm_int16act(bits, wq, wd, wc, K, xq, xs + M * nb, xs, xs + 2 * M * nb, M, y, ldy, n0, n1);
+    else
+        qgemm_floatact(bits, wq, wd, wc, K, x, ldx, xs, M, y, ldy, n0, n1);
+}
+
+/* Outputs [n0, n1) of y = x @ W.T, x given as floats (x, ldx) and as prepared by prepare_act (xq,
+   xs: sums, then scales and centring terms for int codes). One thread's share; no barrier. */
+static void qgemm_rows(int act, int bits, const uint8_t *wq, const void *wd, const float *wc, int64_t K,
+                       const float *x, int64_t ldx, const void *xq, const float *xs, int64_t M, float *y,
+                       int64_t ldy, int64_t n0, int64_t n1) {
+    if (!(bits & HALF_SCALES)) {
+        qgemm_dispatch(act, bits, wq, wd, wc, K, x, ldx, xq, xs, M, y, ldy, n0, n1);
+        return;
+    }
+    bits &= ~HALF_SCALES;
+    const int64_t nb = K / 32, row_bytes = bits == 4 ? K / 2 : K;
+    float *buf = scale_scratch((size_t)(SCALE_ROWS * nb));
+    for (int64_t a = n0; a < n1; a += SCALE_ROWS) {
+        const int64_t e = a + SCALE_ROWS < n1 ? a + SCALE_ROWS : n1;
+        halves_to_floats((const uint16_t *)wd + a * nb, buf, (e - a) * nb);
+        qgemm_dispatch(act, bits, wq + a * row_bytes, buf, wc ? wc + a * nb : 0, K, x, ldx, xq, xs, M, y + a, ldy,
+                       0, e - a);
+    }
+}
+
+/* The activations a batch of M tokens runs with: int16 only below PANEL_FROM (see qlinear). */
+static inline int act_for(int act, int64_t M) { return act == ACT_INT16 && M >= PANEL_FROM ? ACT_FLOAT : act; }
+
+/* x's side of the product: block sums xs [M, K/32] (floats), or int codes xq with sums, scales and
+   centring terms in xs [3, M, K/32] (the buffers sized for int16). */
+static void prepare_act(int act, const float *x, int64_t ldx, int64_t M, int64_t K, void *xq, float *xs,
+                        int nthreads) {
+    const int64_t nb = K / 32;
     if (act == ACT_INT8) quantize_act(x, ldx, M, K, xq, xs + M * nb, xs, xs + 2 * M * nb, nthreads);
     else if (act == ACT_INT16) quantize_act16(x, ldx, M, K, xq, xs + M * nb, xs, xs + 2 * M * nb, nthreads);
     else block_sums(x, ldx, M, K, xs);
+}
+
+/* y = x @ W.T for float32 x [M, K] (row stride ldx); bits may carry HALF_SCALES. ACT_INT8 /
+   ACT_INT16 quantize x per 32-value block first (scratch from malloc). From PANEL_FROM tokens
+   int16 takes the float panels instead: there the weight decode is shared by many tokens, and
+   exact floats cost nothing more. */
+void qlinear(int bits, const uint8_t *wq, const void *wd, const float *wc, int64_t N, int64_t K,
+             const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy, int act, int nthreads) {
+    const int64_t nb = K / 32;
+    act = act_for(act, M);
+    float *xs = malloc(sizeof(float) * M * nb * 3);
+    void *xq = act != ACT_FLOAT ? malloc((size_t)(M * K) * (act == ACT_INT16 ? 2 : 1)) : 0;
+    prepare_act(act, x, ldx, M, K, xq, xs, nthreads);
     #pragma omp parallel num_threads(nthreads)
     {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads(), n0 = N * t / nt, n1 = N * (t + 1) / nt;
-        if (act == ACT_INT8) qgemm_int8act(bits, wq, wd, wc, K, xq, xs + M * nb, xs, xs + 2 * M * nb, M, y, ldy, n0, n1);
-        else if (act == ACT_INT16)
-            qgemm_int16act(bits, wq, wd, wc, K, xq, xs + M * nb, xs, xs + 2 * M * nb, M, y, ldy, n0, n1);
-        else qgemm_floatact(bits, wq, wd, wc, K, x, ldx, xs, M, y, ldy, n0, n1);
+        qgemm_rows(act, bits, wq, wd, wc, K, x, ldx, xq, xs, M, y, ldy, n0, n1);
     }
     free(xq);
     free(xs);
 }
 
-/* W [N, K] as float32. */
-void dequantize(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t N, int64_t K, float *w,
+/* W [N, K] as float32 (bits may carry HALF_SCALES). */
+void dequantize(int bits, const uint8_t *wq, const void *wd, const float *wc, int64_t N, int64_t K, float *w,
                 int nthreads) {
+    const int half = bits & HALF_SCALES;
+    bits &= ~HALF_SCALES;
     const int64_t nb = K / 32, row_bytes = bits == 4 ? K / 2 : K;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; ++n) {
         const uint8_t *wr = wq + n * row_bytes;
         float *dst = w + n * K;
         for (int64_t b = 0; b < nb; ++b) {
-            const float d = wd[n * nb + b], c = wc ? wc[n * nb + b] : 0.f;
+            const float d = half ? half_to_float(((const uint16_t *)wd)[n * nb + b]) : ((const float *)wd)[n * nb + b];
+            const float c = wc ? wc[n * nb + b] : 0.f;
             float *o = dst + b * 32;
             int8_t code[32];
             codes_of(wr, b, bits, code);
@@ -652,6 +737,7 @@ void dequantize(int bits, const uint8_t *wq, const float *wd, const float *wc, i
 }
 """
 
+HALF_SCALES = 16  # or'ed into Blocks.kind: float16 scales (the C source's HALF_SCALES)
 MODES = ("float32", "int8", "int16")  # activations: exact floats, or int8 / int16 codes per 32-value block
 _i64, _vp, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {  # the two entry points; the rest of the source is static
@@ -673,9 +759,14 @@ class Blocks:
     """A weight [N, K] in the layout of the module docstring (tensors on the CPU, contiguous)."""
 
     codes: torch.Tensor  # 4-bit: uint8 [N, K/2]; 8-bit: int8 [N, K]
-    d: torch.Tensor  # float32 [N, K/32]
+    d: torch.Tensor  # float32 [N, K/32], or float16 where that holds every scale exactly
     c: torch.Tensor | None  # float32 [N, K/32]; None where every offset is 0 (symmetric codes: Q4_0, Q8_0)
     bits: int
+
+    @property
+    def kind(self) -> int:
+        """`bits` as the C entry points take it: HALF_SCALES or'ed in when d is float16."""
+        return self.bits | (HALF_SCALES if self.d.dtype == torch.float16 else 0)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -701,7 +792,13 @@ class Blocks:
             c = c + 128 * d
         # Symmetric codes (GGUF Q4_0 / Q8_0, symmetric int4 / int8) have no offsets: not storing
         # them saves a sixth of a 4-bit weight's bytes, and each row's offsets dot product.
-        return Blocks(codes.contiguous(), d, None if not c.any() else c.contiguous(), bits)
+        c = None if not c.any() else c.contiguous()
+        # Scales that float16 holds exactly (a GGUF Q4_0 / Q8_0 scale is a float16) are kept so:
+        # with no offsets, a 4-bit weight is 18 bytes per 32 weights, as in the file.
+        half = d.to(torch.float16)
+        if c is None and torch.equal(half.float(), d):
+            d = half
+        return Blocks(codes.contiguous(), d, c, bits)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.c) if t is not None)
@@ -718,7 +815,7 @@ def matmul(x: torch.Tensor, w: Blocks, mode: str) -> torch.Tensor:
     m, k = x.shape
     n = w.d.shape[0]
     y = torch.empty(m, n)
-    (_lib or load()).qlinear(w.bits, w.codes.data_ptr(), w.d.data_ptr(), _ptr(w.c), n, k, x.data_ptr(), x.stride(0), m,
+    (_lib or load()).qlinear(w.kind, w.codes.data_ptr(), w.d.data_ptr(), _ptr(w.c), n, k, x.data_ptr(), x.stride(0), m,
                  y.data_ptr(), n, MODES.index(mode), torch.get_num_threads())
     return y
 
@@ -729,7 +826,7 @@ def dequantize(w: Blocks) -> torch.Tensor:
     assert lib is not None
     n, k = w.shape
     out = torch.empty(n, k)
-    lib.dequantize(w.bits, w.codes.data_ptr(), w.d.data_ptr(), _ptr(w.c), n, k, out.data_ptr(), torch.get_num_threads())
+    lib.dequantize(w.kind, w.codes.data_ptr(), w.d.data_ptr(), _ptr(w.c), n, k, out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -741,7 +838,7 @@ def reference(w: Blocks) -> torch.Tensor:
         q = torch.cat([b & 15, b >> 4], -1).float() - 8
     else:
         q = w.codes.view(n, k // 32, 32).float()
-    w8 = q * w.d[..., None]
+    w8 = q * w.d.float()[..., None]
     return (w8 if w.c is None else w8 + w.c[..., None]).view(n, k)
 
 
