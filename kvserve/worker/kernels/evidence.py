@@ -14,11 +14,19 @@ every later start, until the file was deleted by hand. So:
   agrees with the cached ranking; otherwise it is measured again and rewritten, with `made` (unix
   time) and `version`.
 
+Candidates are timed on one thread (`one_thread`). A parallel region waits for its slowest
+thread, so while a neighbour holds a core every multi-threaded call costs a scheduler quantum
+(~8 ms on a 2-core VM) and the candidates tie: one busy start cached float32 activations for a
+1.1B model whose int16 kernel is 1.5x faster. On one thread a neighbour slows every candidate
+alike, which the interleaved rounds cancel; and the ranking carries over to the engine's threads,
+each of which runs the same kernel on an even share of the rows.
+
 `_timed` is the only clock: tests replace it to inject timings.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -44,12 +52,23 @@ NOISY = 0.20  # a cached entry whose typical spread is above this was measured o
 NOISY_RETRY_S = 3600
 STALE_DAYS = 30  # drivers, BIOS and neighbours change; a month-old choice is measured in full
 SPOT_REPS = 2
-SPOT_TOLERANCE = 1.5  # how much slower than the runner-up a spot check may find the chosen candidate
+SPOT_TOLERANCE = 1.3  # how much slower than the runner-up a spot check may find the chosen candidate
 # Unix time set by `kvserve tune`: entries made before it are measured again (in every process).
 TUNE_BEFORE_ENV = "KVSERVE_TUNE_BEFORE"
 # Entries already spot-checked or measured in this process, by path: (file mtime, entry). The
 # engine resolves the dtype twice per start (engine core, then worker); one spot check is enough.
 _checked: dict[Path, tuple[int, dict]] = {}
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch (and so the C kernels, which take torch.get_num_threads()) on one thread inside."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _timed(label: str, fn: Callable[[], object]) -> float:
@@ -180,6 +199,8 @@ def staleness(entry: dict | None, now: float | None = None) -> str | None:
         return f"stale: made {(now - made) / 86400:.0f} days ago"
     if entry.get("version") != __version__:
         return f"made by kvserve {entry.get('version')}"
+    if entry.get("threads") != 1:
+        return "timed on several threads (candidates tie while a neighbour holds a core)"
     if (noise := entry_noise(entry)) > NOISY and now - made >= NOISY_RETRY_S:
         return f"noisy: its rounds spread {noise:.0%}"
     return None
@@ -215,13 +236,16 @@ def decide(kind: str, what: object, measure: Callable[[], dict],
         if mtime is not None and _checked.get(path, (None,))[0] == mtime:
             return entry, "cached, checked earlier in this process"
         try:
-            why = spot(entry)
+            with one_thread():
+                why = spot(entry)
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
             why = f"unreadable entry ({type(e).__name__}: {e})"
         if why is None:
             _checked[path] = (mtime, entry)
             return entry, "cached, spot check agrees"
-    entry = {**measure(), "made": time.time(), "version": __version__}
+    with one_thread():
+        measured = measure()
+    entry = {**measured, "made": time.time(), "version": __version__, "threads": 1}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
