@@ -330,6 +330,9 @@ static void kq_rows(const KqMatrix *W, const int16_t *xq, const float *xd, const
         const int64_t row_bytes = K / 256 * kq_block_bytes(P->qtype);
         for (int64_t n = lo; n < hi; ++n) {
             const uint8_t *row = P->data + (n - first) * row_bytes;
+#if defined(__AVX2__)  /* 4 KB ahead, as qmatmul's decode GEMVs: more DRAM reads in flight */
+            for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)row + 4096 + o, _MM_HINT_T0);
+#endif
             for (int64_t m0 = 0; m0 < M; m0 += KQ_TILE) {
                 const int mt = M - m0 < KQ_TILE ? (int)(M - m0) : KQ_TILE;
                 kq_row(P->qtype, mt, row, K, xq + m0 * K, xd + m0 * nb, xh + 2 * m0 * nb, y + m0 * ldy + n, ldy);
