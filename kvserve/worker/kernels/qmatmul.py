@@ -69,11 +69,12 @@ static inline void codes_of(const uint8_t *wr, int64_t b, int bits, int8_t *out)
     }
 }  /* tokens per pass over a weight row: its blocks are decoded once per TILE tokens */
 
-/* Per token and 32-value block: int8 codes, scale xd = amax / 127, the exact float sum xs, and
-   xk = -8 xd sum(codes): what centring 4-bit codes (nibble - 8) subtracts, so the kernel can
-   multiply the nibbles as they are (unsigned, as maddubs takes them) in the same integer math. */
-static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs,
-                  float *xk, int nthreads) {
+/* Per token and 32-value block: integer codes (int8: qmax 127, or int16: qmax 32767, 256 times
+   finer, so a product's error is ~1e-5 of its size), scale xd = amax / qmax, the exact float sum
+   xs, and xk = -8 xd sum(codes): what centring 4-bit codes (nibble - 8) subtracts, so the kernel
+   can multiply the nibbles as they are (unsigned, as maddubs takes them) in the same integer math. */
+static void quantize_codes(const float *x, int64_t ldx, int64_t M, int64_t K, void *xq, int qmax, float *xd,
+                           float *xs, float *xk, int nthreads) {
     const int64_t nb = K / 32;
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
     for (int64_t i = 0; i < M * nb; ++i) {
@@ -81,39 +82,17 @@ static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, int8
         const float *src = x + m * ldx + b * 32;
         float amax = 0.f, sum = 0.f;
         for (int j = 0; j < 32; ++j) { const float a = fabsf(src[j]); amax = a > amax ? a : amax; sum += src[j]; }
-        const float d = amax / 127.f, id = d > 0.f ? 127.f / amax : 0.f;
-        int8_t *dst = xq + m * K + b * 32;
-        int32_t isum = 0;
+        const float d = amax / (float)qmax, id = d > 0.f ? (float)qmax / amax : 0.f;
+        int32_t code[32], isum = 0;
         for (int j = 0; j < 32; ++j) {
             const float v = src[j] * id;
-            dst[j] = (int8_t)(int)(v + (v >= 0.f ? .5f : -.5f));
-            isum += dst[j];
+            code[j] = (int)(v + (v >= 0.f ? .5f : -.5f));
+            isum += code[j];
         }
-        xd[i] = d;
-        xs[i] = sum;
-        xk[i] = -8.f * d * (float)isum;
-    }
-}
-
-/* The same with int16 codes (xd = amax / 32767): 256 times finer than int8, so a product's error is
-   ~1e-5 of its size, close to float32's sums, at the integer path's cost per weight. */
-static void quantize_act16(const float *x, int64_t ldx, int64_t M, int64_t K, int16_t *xq, float *xd, float *xs,
-                           float *xk, int nthreads) {
-    const int64_t nb = K / 32;
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
-    for (int64_t i = 0; i < M * nb; ++i) {
-        const int64_t m = i / nb, b = i % nb;
-        const float *src = x + m * ldx + b * 32;
-        float amax = 0.f, sum = 0.f;
-        for (int j = 0; j < 32; ++j) { const float a = fabsf(src[j]); amax = a > amax ? a : amax; sum += src[j]; }
-        const float d = amax / 32767.f, id = d > 0.f ? 32767.f / amax : 0.f;
-        int16_t *dst = xq + m * K + b * 32;
-        int32_t isum = 0;
-        for (int j = 0; j < 32; ++j) {
-            const float v = src[j] * id;
-            dst[j] = (int16_t)(int)(v + (v >= 0.f ? .5f : -.5f));
-            isum += dst[j];
-        }
+        if (qmax == 127)
+            for (int j = 0; j < 32; ++j) ((int8_t *)xq)[m * K + b * 32 + j] = (int8_t)code[j];
+        else
+            for (int j = 0; j < 32; ++j) ((int16_t *)xq)[m * K + b * 32 + j] = (int16_t)code[j];
         xd[i] = d;
         xs[i] = sum;
         xk[i] = -8.f * d * (float)isum;
@@ -357,7 +336,7 @@ static void qgemm_panels(int bits, const uint8_t *wq, const float *wd, const flo
         }
     }
 }
-/* The same with int8 activations (quantize_act's xq / xd / xs / xk of the one token). */
+/* The same with int8 activations (quantize_codes' xq / xd / xs / xk of the one token). */
 static inline __m256i int8_block(const uint8_t *wr, int64_t b, int bits, const int8_t *xq) {
     const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
     if (bits == 4) return dot_u8s8(unpack_q4(wr + b * 16), xv);
@@ -466,7 +445,7 @@ static void gemv_int16(int bits, const uint8_t *wq, const float *wd, const float
 }
 #endif
 
-/* y[m, n] (row stride ldy) for rows n in [n0, n1), x given as quantize_act16's xq / xd / xs / xk. */
+/* y[m, n] (row stride ldy) for rows n in [n0, n1), x given as quantize_codes' int16 xq / xd / xs / xk. */
 static void qgemm_int16act(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t K,
                            const int16_t *xq, const float *xd, const float *xs, const float *xk, int64_t M, float *y,
                            int64_t ldy, int64_t n0, int64_t n1) {
@@ -512,7 +491,7 @@ static void qgemm_int16act(int bits, const uint8_t *wq, const float *wd, const f
 }
 
 /* y[m, n] (row stride ldy) = sum_k x[m, k] w[n, k] for rows n in [n0, n1), x given as
-   quantize_act's xq / xd / xs. */
+   quantize_codes' xq / xd / xs. */
 static void qgemm_int8act(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t K,
                    const int8_t *xq, const float *xd, const float *xs, const float *xk, int64_t M, float *y,
                    int64_t ldy, int64_t n0, int64_t n1) {
@@ -652,7 +631,7 @@ static float *scale_scratch(size_t n) {
     return buf;
 }
 
-/* Activations: exact floats, or int8 / int16 codes per 32-value block (quantize_act / _act16). */
+/* Activations: exact floats, or int8 / int16 codes per 32-value block (quantize_codes). */
 enum { ACT_FLOAT = 0, ACT_INT8 = 1, ACT_INT16 = 2 };
 /* Or'ed into `bits`: the scales d are float16 [N, K/32] (a GGUF Q4_0 / Q8_0 scale is one, exactly):
    a 4-bit weight then takes 18 bytes per 32 weights, as in the file, instead of 20. */
@@ -701,8 +680,8 @@ static inline int act_for(int act, int64_t M) { return act == ACT_INT16 && M >= 
 static void prepare_act(int act, const float *x, int64_t ldx, int64_t M, int64_t K, void *xq, float *xs,
                         int nthreads) {
     const int64_t nb = K / 32;
-    if (act == ACT_INT8) quantize_act(x, ldx, M, K, xq, xs + M * nb, xs, xs + 2 * M * nb, nthreads);
-    else if (act == ACT_INT16) quantize_act16(x, ldx, M, K, xq, xs + M * nb, xs, xs + 2 * M * nb, nthreads);
+    if (act != ACT_FLOAT)
+        quantize_codes(x, ldx, M, K, xq, act == ACT_INT8 ? 127 : 32767, xs + M * nb, xs, xs + 2 * M * nb, nthreads);
     else block_sums(x, ldx, M, K, xs);
 }
 
