@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from kvserve.quant.gguf import KQuantWeight
 from kvserve.quant.linear import _QuantLinear
 from kvserve.worker.kernels import kquant
-from kvserve.worker.kernels.memory import on_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +55,7 @@ class KQuantLinear(_QuantLinear):
         for p in parts:
             self.parts.append((p.qtype, p.shape[0], offset))
             offset += p.blocks.numel()
-        # each decode step streams these once: huge pages spare a TLB miss per 4 KB (memory.py)
-        self.register_buffer("raw", on_huge_pages(torch.cat([p.blocks.reshape(-1) for p in parts]).to(device)))
+        self.register_buffer("raw", torch.cat([p.blocks.reshape(-1) for p in parts]).to(device))
 
     def part_rows(self) -> list[tuple[int, torch.Tensor]]:
         """(qtype, uint8 rows [n, bytes per row]) of each part: views into `raw`."""

@@ -42,7 +42,6 @@ from kvserve.attention.backend import FP8_MAX, saturate_fp8
 from kvserve.config import triton_interpreting
 from kvserve.quant.base import Fp8Weight, QuantizedWeight
 from kvserve.worker.kernels import qmatmul, tuning
-from kvserve.worker.kernels.memory import on_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -176,9 +175,8 @@ class _GroupCodes(_QuantLinear):
             self.bits = qw.bits
             self.group = 32
             blocks = qmatmul.Blocks.from_codes(qw.q, qw.scale, qw.offset, qw.bits)
-            # each decode step streams these once: huge pages spare a TLB miss per 4 KB (memory.py)
-            self.register_buffer("codes", on_huge_pages(blocks.codes.to(device)))
-            self.register_buffer("d", on_huge_pages(blocks.d.to(device)))
+            self.register_buffer("codes", blocks.codes.to(device))
+            self.register_buffer("d", blocks.d.to(device))
             self.register_buffer("c", None if blocks.c is None else blocks.c.to(device))
             # set by kvserve.worker.kernels.tuning from measurements; these are the untuned defaults
             # (dense_dtype: the dense prefill matmul's dtype, None for x's; decode keeps the kernel)
