@@ -12,13 +12,25 @@ The host's speed can drift between lines: compare numbers within one line.
 from __future__ import annotations
 
 import argparse
+import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from kvserve.attention import cpu_kernel
 from kvserve.worker.kernels import qmatmul
-from kvserve.worker.kernels.tuning import _time as best  # best of reps after a warm-up
+
+def best(fn: Callable[[], object], reps: int) -> float:
+    """Best of `reps` timed calls after one warm-up, in seconds."""
+    fn()
+    t_best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        t_best = min(t_best, time.perf_counter() - t)
+    return t_best
+
 
 SHAPES = ((960, 576, 4), (576, 576, 4), (3072, 576, 4), (576, 1536, 4), (49152, 576, 8))
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import time
 from collections.abc import Callable
 
 import torch
@@ -64,18 +63,6 @@ def int8_allowed() -> bool:
 
 def enabled() -> bool:
     return os.environ.get(TUNING_ENV, "auto").lower() != "off"
-
-
-def _time(fn: Callable[[], object], reps: int = 3) -> float:
-    """Best of `reps` timed calls after one warm-up, in seconds: scripts/bench_kernels.py's clock.
-    Tuning itself times candidates in interleaved rounds (evidence.time_interleaved)."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def native(name: str, flags: frozenset[str]) -> bool:
