@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import re
 from dataclasses import dataclass, field
@@ -234,15 +235,17 @@ class KVEventsConfig:
 _VLLM_KV_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 _KV_TRANSFER_KEYS = ("kv_connector", "kv_role", "kv_ip", "kv_port", "engine_id", "kv_load_failure_policy",
                      "kv_connector_extra_config")
-_KV_EXTRA_KEYS = ("transport", "lease_s", "fetch_timeout_s")
+_KV_EXTRA_KEYS = ("transport", "lease_s", "fetch_timeout_s", "auth_key", "auth_key_file", "peers")
+MIN_KV_KEY_BYTES = 16  # a deployment's shared K/V transfer key: anything shorter can be guessed
 
 
 @dataclass(frozen=True)
 class KVTransferConfig:
     """Prefill/decode disaggregation (disagg/): this engine's role, and `--kv-transfer-config`,
     a JSON object in the shape of vLLM's (kv_connector, kv_role, kv_ip, kv_port, engine_id,
-    kv_load_failure_policy, kv_connector_extra_config: {transport, lease_s, fetch_timeout_s}).
-    Off unless a role is given, by --kv-role or by the JSON's kv_role."""
+    kv_load_failure_policy, kv_connector_extra_config: {transport, lease_s, fetch_timeout_s,
+    auth_key_file | auth_key, peers}). Off unless a role is given, by --kv-role or by the JSON's
+    kv_role. An engine with a role needs the deployment's shared key (disagg/auth.py) to start."""
 
     role: str | None = None  # --kv-role
     transfer_config: dict[str, Any] | None = None  # --kv-transfer-config, parsed
@@ -285,6 +288,7 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer_config.kv_connector_extra_config: unknown key {unknown[0]!r}; "
                              f"known: {', '.join(_KV_EXTRA_KEYS)}")
         _check_choice("kv_transfer_config.kv_connector_extra_config.transport", self.transport, KV_TRANSPORTS)
+        _check_auth(extra)
         for name in ("lease_s", "fetch_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
@@ -345,6 +349,48 @@ class KVTransferConfig:
     def fetch_timeout_s(self) -> float:
         """How long a decode engine waits for a prefill engine's K/V before giving up."""
         return self._extra("fetch_timeout_s", 30.0)
+
+    @property
+    def peers(self) -> tuple[str, ...] | None:
+        """The prefill engines ("host" or "host:port", as their kv_ip and kv_port) a decode engine
+        may fetch from; None: any that signed the request's kv_transfer_params."""
+        peers = self._extra("peers", None)
+        return None if peers is None else tuple(peers)
+
+    def auth_key(self) -> bytes | None:
+        """The deployment's shared key (read from auth_key_file once per process), or None."""
+        key = self._extra("auth_key", None)
+        if key is not None:
+            return key.encode()
+        path = self._extra("auth_key_file", None)
+        return None if path is None else _read_key_file(path)
+
+
+def _check_auth(extra: dict[str, Any]) -> None:
+    where = "kv_transfer_config.kv_connector_extra_config"
+    if "auth_key" in extra and "auth_key_file" in extra:
+        raise ValueError(f"{where}: give auth_key_file or auth_key, not both")
+    key = extra.get("auth_key")
+    if key is not None and (not isinstance(key, str) or len(key.encode()) < MIN_KV_KEY_BYTES):
+        raise ValueError(f"{where}.auth_key must be a string of at least {MIN_KV_KEY_BYTES} bytes")
+    if not isinstance(extra.get("auth_key_file", ""), str):
+        raise ValueError(f"{where}.auth_key_file must be a path, got {extra['auth_key_file']!r}")
+    peers = extra.get("peers", [])
+    if not isinstance(peers, list) or not all(isinstance(p, str) and p for p in peers):
+        raise ValueError(f"{where}.peers must be a list of \"host\" or \"host:port\" strings, got {peers!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _read_key_file(path: str) -> bytes:
+    where = "kv_transfer_config.kv_connector_extra_config.auth_key_file"
+    try:
+        with open(path, "rb") as f:
+            key = f.read().strip()
+    except OSError as e:
+        raise ValueError(f"{where} {path!r}: {e.strerror}") from None
+    if len(key) < MIN_KV_KEY_BYTES:
+        raise ValueError(f"{where} {path!r} holds {len(key)} bytes; a key needs at least {MIN_KV_KEY_BYTES}")
+    return key
 
 
 def parse_json_object(value: str | dict | None, name: str) -> dict[str, Any] | None:

@@ -8,22 +8,30 @@ same name), in vLLM's shape:
   blocks stay held until the next step's worker half has copied them out to the KVSender;
   the output's `kv_transfer_params` tell the decode engine where to fetch them:
   `{"do_remote_prefill": true, "remote_host", "remote_port", "remote_request_id",
-  "remote_num_blocks", "remote_engine_id"}`.
-- those params on a decode engine: the request waits (WAITING_FOR_REMOTE_KV) while a
-  background thread fetches the blocks; then `lookup` offers the ones whose chain hash equals
-  this engine's own for the prompt (a different prompt, salt or model never matches), they are
-  written into the request's new blocks before its first forward, which computes only the
-  rest of the prompt (less than one block, at least its last token), and they become cached
-  blocks here like any other. If the fetch fails, the request prefills here
-  (`kv_load_failure_policy` recompute) or fails with the reason (fail).
+  "remote_num_blocks", "remote_engine_id", "remote_auth"}`, signed with the deployment's key
+  (auth.py; an engine with a role does not start without one).
+- those params on a decode engine (checked on arrival, params.py): the request waits
+  (WAITING_FOR_REMOTE_KV) while a background thread fetches the blocks. They are used only if
+  every one checks out: this engine's block shape, dtype and size, the sender's signed digest
+  (transport.py), and the chain hashes the sender claims equal to the ones computed here from
+  the prompt's own tokens (a different prompt, salt or model never matches). Then `lookup`
+  offers them, they are written into the request's new blocks before its first forward, which
+  computes only the rest of the prompt (less than one block, at least its last token), and
+  they become cached blocks here like any other. If the fetch fails in any way, the request
+  prefills here (`kv_load_failure_policy` recompute) or fails with the reason (fail).
+
+Each prefill engine (peer) gets at most PER_PEER_FETCHES fetches at once, each on a thread of
+its own, the rest queued; a fetch's deadline (fetch_timeout_s) runs from its request's arrival,
+queueing included. A peer that hangs delays its own requests only.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +41,7 @@ from kvserve.config import KVTransferConfig
 from kvserve.core.kv_connector import EvictedBlock, FinishedLoads, KVConnector, KVConnectorWorker, TierHit
 from kvserve.core.prefix_cache import compute_block_hashes, max_cached_blocks
 from kvserve.core.sched_output import SchedulerOutput
+from kvserve.disagg.auth import TransferAuth, sign_params
 from kvserve.disagg.params import transfer_params
 from kvserve.disagg.transport import KVSender, KVTransferError, fetch
 from kvserve.request import Request, RequestStatus
@@ -40,7 +49,7 @@ from kvserve.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 TRANSFER_TIER = "kv_transfer"  # the origin of transferred tokens in cached_tokens_by_tier
-MAX_PARALLEL_FETCHES = 4
+PER_PEER_FETCHES = 2  # a prefill engine's fetches at once; a silent one holds no more threads than this
 
 
 @dataclass
@@ -59,18 +68,34 @@ class PDStepMeta:
 
 
 @dataclass
+class _Fetch:
+    request: Request
+    params: dict[str, Any]
+    deadline: float  # time.monotonic()
+
+
+@dataclass
 class _Loaded:
     data: torch.Tensor  # [n, *block_shape]: the prompt's first n blocks
     hashes: list[bytes]
 
 
 class PDConnector(KVConnector, KVConnectorWorker):
+    """Threads: the engine thread calls everything but `_run`/`_fetch`, which run on one thread
+    per fetch under way; what they share (the decode side's dicts and queues) goes under `_lock`."""
+
     def __init__(self, cfg: KVTransferConfig, handshake: dict[str, Any], block_size: int) -> None:
         self.cfg = cfg
         self.handshake = handshake
         self.block_size = block_size
-        self.sender = KVSender(cfg.host, cfg.port, handshake, cfg.lease_s) if cfg.produces else None
-        self._fetcher = ThreadPoolExecutor(MAX_PARALLEL_FETCHES, "kvserve-kv-fetch") if cfg.consumes else None
+        key = cfg.auth_key()
+        if key is None:
+            raise ValueError(f"kv_role {cfg.kv_role} needs the deployment's shared key, the same on every prefill "
+                             f"and decode engine: kv_transfer_config.kv_connector_extra_config.auth_key_file (or "
+                             f"auth_key); `kvserve router --launch-pd` makes one")
+        self._key = key
+        self.auth = TransferAuth(key)
+        self.sender = KVSender(cfg.host, cfg.port, handshake, cfg.lease_s, self.auth) if cfg.produces else None
         self._lock = threading.Lock()
         # prefill side
         self._to_send: list[_Send] = []  # finished requests whose blocks the next step copies out
@@ -82,6 +107,9 @@ class PDConnector(KVConnector, KVConnectorWorker):
         self._errors: dict[str, str] = {}  # fetch failures that fail their request (policy fail)
         self._fetching: set[str] = set()  # requests with a fetch queued or running
         self._cancelled: set[str] = set()  # ... of those, the ones gone meanwhile
+        self._queued: dict[tuple[str, int], deque[_Fetch]] = {}  # peer -> fetches waiting for a slot
+        self._running: dict[tuple[str, int], int] = {}  # peer -> its fetches under way
+        self._closed = False
         self._writes: list[tuple[int, torch.Tensor]] = []
         self.stats_counts: dict[str, int] = {"kv_transfer_sent": 0, "kv_transfer_received": 0,
                                              "kv_transfer_failed": 0, "kv_transfer_tokens_received": 0}
@@ -97,10 +125,10 @@ class PDConnector(KVConnector, KVConnectorWorker):
         n = min(max(0, (request.num_prompt_tokens - 1) // self.block_size), len(request.block_ids),
                 request.num_computed_tokens // self.block_size)
         tid = self.sender.expect(compute_block_hashes(request, n, self.block_size)[:n]) if n else ""
-        self._out_params[request.request_id] = {
+        self._out_params[request.request_id] = sign_params(self._key, {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.cfg.engine_id,
             "remote_host": self.sender.host, "remote_port": self.sender.port, "remote_request_id": tid,
-            "remote_num_blocks": n}
+            "remote_num_blocks": n})
         if not n:
             return False  # a prompt shorter than a block: nothing worth sending
         self._to_send.append(_Send(request.request_id, tid, list(request.block_ids[:n])))
@@ -117,33 +145,62 @@ class PDConnector(KVConnector, KVConnectorWorker):
 
     def start_load(self, request: Request, num_device_blocks: int) -> bool:
         p = transfer_params(request.sampling_params)
-        if self._fetcher is None or not p or not p.get("do_remote_prefill") or request.leader_id is not None:
+        if not self.cfg.consumes or not p or not p.get("do_remote_prefill") or request.leader_id is not None:
             return False  # n > 1: the other samples fork from the leader's blocks
         usable = min(p["remote_num_blocks"], max_cached_blocks(request, self.block_size))
         if usable <= num_device_blocks:
             return False  # already cached here (the prefill engine's copy expires with its lease)
+        peer = (p["remote_host"], p["remote_port"])
         with self._lock:
             self._fetching.add(request.request_id)
-        self._fetcher.submit(self._fetch, request, p)
+            self._queued.setdefault(peer, deque()).append(
+                _Fetch(request, p, time.monotonic() + self.cfg.fetch_timeout_s))
+            self._pump(peer)
         return True
 
-    def _fetch(self, request: Request, p: dict[str, Any]) -> None:
-        rid = request.request_id
+    def _pump(self, peer: tuple[str, int]) -> None:
+        """Start the peer's queued fetches while it has a free slot (under `_lock`)."""
+        queue = self._queued.get(peer)
+        while queue and self._running.get(peer, 0) < PER_PEER_FETCHES and not self._closed:
+            self._running[peer] = self._running.get(peer, 0) + 1
+            threading.Thread(target=self._run, args=(peer, queue.popleft()), name="kvserve-kv-fetch",
+                             daemon=True).start()
+        if not queue:
+            self._queued.pop(peer, None)
+
+    def _run(self, peer: tuple[str, int], job: _Fetch) -> None:
         try:
-            hashes, data = fetch(p["remote_host"], p["remote_port"], p["remote_request_id"], self.handshake,
-                                 self.cfg.fetch_timeout_s, self.cfg.transport)
+            self._fetch(job)
+        finally:
+            with self._lock:
+                self._running[peer] -= 1
+                if not self._running[peer]:
+                    del self._running[peer]
+                self._pump(peer)
+
+    def _fetch(self, job: _Fetch) -> None:
+        request, p, rid = job.request, job.params, job.request.request_id
+        try:
+            with self._lock:
+                if rid in self._cancelled:
+                    return  # gone while queued: the finally below forgets it
+            left = job.deadline - time.monotonic()
+            if left <= 0:
+                raise KVTransferError(f"no fetch from {p['remote_host']}:{p['remote_port']} could start within "
+                                      f"{self.cfg.fetch_timeout_s:g} s: its earlier transfers hang")
+            hashes, data = fetch(p["remote_host"], p["remote_port"], p["remote_request_id"], self.handshake, self.auth,
+                                 left, p["remote_num_blocks"], self.cfg.transport)
+            # The sender's hashes are a claim: only the ones computed here from the prompt count.
             mine = compute_block_hashes(request, max_cached_blocks(request, self.block_size), self.block_size)
-            n = 0
-            while n < min(len(hashes), len(mine)) and hashes[n] == mine[n]:
-                n += 1
-            if n < len(hashes):
-                logger.warning("request %s: %d of %d fetched blocks are not this prompt's; using %d",
-                               rid, len(hashes) - n, len(hashes), n)
+            if hashes != mine[:len(hashes)]:
+                bad = next(i for i, h in enumerate(hashes) if i >= len(mine) or h != mine[i])
+                raise KVTransferError(f"fetched block {bad} of {len(hashes)} is not this prompt's (its hash is not "
+                                      f"the one computed here from the prompt's tokens)")
             with self._lock:
                 if rid not in self._cancelled:
-                    self._loaded[rid] = _Loaded(data[:n], mine[:n])
+                    self._loaded[rid] = _Loaded(data, mine[:len(hashes)])
             self.stats_counts["kv_transfer_received"] += 1
-            self.stats_counts["kv_transfer_tokens_received"] += n * self.block_size
+            self.stats_counts["kv_transfer_tokens_received"] += len(hashes) * self.block_size
         except Exception as e:  # noqa: BLE001 - any failure means: no remote K/V for this request
             self.stats_counts["kv_transfer_failed"] += 1
             reason = str(e) if isinstance(e, KVTransferError) else f"{type(e).__name__}: {e}"
@@ -230,5 +287,6 @@ class PDConnector(KVConnector, KVConnectorWorker):
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
-        if self._fetcher is not None:
-            self._fetcher.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self._closed = True  # fetches under way end by their deadline; queued ones never start
+            self._queued.clear()

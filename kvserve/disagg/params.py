@@ -1,6 +1,9 @@
 """kv_transfer_params: what a request says about where its K/V come from or go (vLLM's field).
 
 Pure Python (no torch): the engine checks them on arrival; disagg/connector.py acts on them.
+Where a decode engine fetches from is never a client's word: do_remote_prefill params must
+carry the MAC a prefill engine of the deployment signed them with (auth.py; the router passes
+them on untouched), and name one of this engine's `peers` when it has a list of them.
 """
 
 from __future__ import annotations
@@ -8,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.config import KVTransferConfig
+from kvserve.disagg.auth import PARAMS_MAC, params_signed
 
 
 def transfer_params(params: Any) -> dict[str, Any] | None:
@@ -41,3 +45,14 @@ def check_transfer_params(p: Any, cfg: KVTransferConfig, n: int) -> None:
             if not isinstance(v, kind) or isinstance(v, bool):
                 raise ValueError(f"kv_transfer_params.{key} must be a{'n integer' if kind is int else ' string'} "
                                  f"(the prefill engine's response gives it), got {v!r}")
+        secret = cfg.auth_key()
+        if secret is None or not params_signed(secret, p):
+            raise ValueError(f"kv_transfer_params.{PARAMS_MAC} is {'wrong' if PARAMS_MAC in p else 'missing'}: "
+                             f"a decode engine takes do_remote_prefill params only as a prefill engine of its "
+                             f"deployment signed them (the router passes them on); a client cannot name where "
+                             f"K/V come from")
+        peers = cfg.peers
+        where = f"{p['remote_host']}:{p['remote_port']}"
+        if peers is not None and where not in peers and p["remote_host"] not in peers:
+            raise ValueError(f"kv_transfer_params.remote_host {where} is not one of this engine's prefill peers "
+                             f"(kv_transfer_config.kv_connector_extra_config.peers: {', '.join(peers)})")

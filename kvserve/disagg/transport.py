@@ -17,17 +17,30 @@ Two ways for the bytes, one protocol:
 Every fetch carries a handshake: model fingerprint, block size, KV dtype and block layout of
 the decode engine. A sender whose own differ refuses, naming what differs.
 
-    fetch  -> {"op": "fetch", "id", "handshake", "shm": bool}
-    reply  <- {"ok": true, "hashes", "shape", "dtype", "shm": name | None} [+ data frame]
-              {"ok": false, "error": message}
+Nothing that arrives is trusted (auth.py). Every message is sealed with the deployment's key
+(a nonce, the time, an HMAC-SHA256 frame) and refused unsealed, stale or replayed; a reply names
+the request it answers. The fetcher takes only blocks of its own block shape and KV dtype, no
+more than the transfer promised, whose bytes (the data frame, or the shm file, which any local
+process might have touched) match the SHA-256 digest the sender signed; a missing or short data
+frame is an error. The block hashes a reply names are checked by the caller against its own.
+
+    fetch   -> {"op": "fetch", "id", "handshake", "shm": bool}
+    reply   <- {"ok": true, "re": nonce, "hashes", "shape", "dtype", "digest", "shm": name | None}
+               [+ data frame]
+               {"ok": false, "re": nonce | None, "error": message}
     release -> {"op": "release", "shm": name}   (after an shm reply; no answer)
+
+each as [body (msgpack, with "nonce" and "ts"), MAC] frames after ZeroMQ's envelope.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
+import math
 import mmap
+import os
 import socket
 import threading
 import time
@@ -36,27 +49,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import torch
 import zmq
+
+from kvserve.disagg.auth import AuthError, TransferAuth
 
 logger = logging.getLogger(__name__)
 
 POLL_MS = 5  # how often the sender thread looks for new blocks and expired leases
 PROBE_S = 0.5  # how often a waiting fetch checks that the prefill engine still listens
 SHM_DIR = Path("/dev/shm")
+MAX_REQUEST_BYTES = 1 << 20  # a fetch or release message (a handshake, an id): anything larger is no peer's
 
 
 class KVTransferError(RuntimeError):
-    """K/V could not be fetched: refused, unknown transfer, timeout, or the peer is gone."""
-
-
-def _pack(obj: dict[str, Any]) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def _unpack(buf: bytes) -> dict[str, Any]:
-    return msgpack.unpackb(buf, raw=False)
+    """K/V could not be fetched: refused, unknown transfer, timeout, the peer is gone, or what
+    came back failed a check."""
 
 
 def handshake_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
@@ -76,14 +84,20 @@ class _Entry:
 
 
 class KVSender:
-    """The prefill side: serves each transfer's blocks to the one decode engine that fetches them."""
+    """The prefill side: serves each transfer's blocks to the one decode engine that fetches them.
 
-    def __init__(self, host: str, port: int, handshake: dict[str, Any], lease_s: float) -> None:
+    Threads: the engine thread adds transfers (`expect`, `put`) under the lock; one sender
+    thread owns the socket, the waiting fetches and the shm files."""
+
+    def __init__(self, host: str, port: int, handshake: dict[str, Any], lease_s: float,
+                 auth: TransferAuth) -> None:
         self.handshake = handshake
         self.lease_s = lease_s
+        self.auth = auth
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         if port:
             self._sock.bind(f"tcp://{host}:{port}")
         else:
@@ -91,11 +105,12 @@ class KVSender:
         self.host, self.port = host, port
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
-        self._waiters: dict[str, list[tuple[bytes, bool]]] = {}  # fetches that came before the blocks
+        self._waiters: dict[str, list[tuple[bytes, bytes, bool]]] = {}  # fetches that came before the blocks
         self._segments: dict[str, float] = {}  # shm file -> when it is removed unless released first
         self.bytes_sent = 0
         self.transfers_sent = 0
         self.transfers_expired = 0
+        self.messages_refused = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kvserve-kv-sender", daemon=True)
         self._thread.start()
@@ -152,28 +167,35 @@ class KVSender:
                 logger.exception("KV sender: request failed")
 
     def _handle(self, frames: list[bytes]) -> None:
-        ident, msg = frames[0], _unpack(frames[-1])
-        op = msg.get("op")
+        ident = frames[0]
+        try:
+            msg = self.auth.open(frames[2:] if len(frames) > 2 and frames[1] == b"" else [])
+        except AuthError as e:
+            self.messages_refused += 1
+            logger.warning("KV sender: refused a message: %s", e)
+            self._reply(ident, None, {"ok": False, "error": f"refused: {e}"})
+            return
+        op, nonce = msg.get("op"), msg["nonce"]
         if op == "release":
             name = str(msg.get("shm"))
             if self._segments.pop(name, None) is not None:
                 _remove(name)
             return
         if op != "fetch":
-            self._reply(ident, {"ok": False, "error": f"unknown op {op!r}"})
+            self._reply(ident, nonce, {"ok": False, "error": f"unknown op {op!r}"})
             return
         problem = handshake_mismatch(self.handshake, msg.get("handshake") or {})
         if problem is not None:
-            self._reply(ident, {"ok": False, "error": f"handshake refused: {problem}"})
+            self._reply(ident, nonce, {"ok": False, "error": f"handshake refused: {problem}"})
             return
         tid = str(msg.get("id"))
         with self._lock:
             known = tid in self._entries
         if not known:
-            self._reply(ident, {"ok": False, "error": f"unknown transfer {tid!r}: never made here, already "
-                                                      f"fetched, or its lease ({self.lease_s:g} s) ran out"})
+            self._reply(ident, nonce, {"ok": False, "error": f"unknown transfer {tid!r}: never made here, already "
+                                                             f"fetched, or its lease ({self.lease_s:g} s) ran out"})
             return
-        self._waiters.setdefault(tid, []).append((ident, bool(msg.get("shm"))))
+        self._waiters.setdefault(tid, []).append((ident, nonce, bool(msg.get("shm"))))
 
     def _answer_waiters(self) -> None:
         for tid in list(self._waiters):
@@ -184,37 +206,40 @@ class KVSender:
                 self._entries.pop(tid, None)  # one fetch takes it
             waiters = self._waiters.pop(tid)
             if entry is None:
-                for ident, _ in waiters:
-                    self._reply(ident, {"ok": False, "error": f"transfer {tid!r} expired before its blocks "
-                                                              f"were ready"})
+                for ident, nonce, _ in waiters:
+                    self._reply(ident, nonce, {"ok": False, "error": f"transfer {tid!r} expired before its blocks "
+                                                                     f"were ready"})
                 continue
-            (ident, use_shm), rest = waiters[0], waiters[1:]
-            self._send_blocks(ident, entry, use_shm)
-            for other, _ in rest:
-                self._reply(other, {"ok": False, "error": f"transfer {tid!r} was fetched by another engine"})
+            (ident, nonce, use_shm), rest = waiters[0], waiters[1:]
+            self._send_blocks(ident, nonce, entry, use_shm)
+            for other, other_nonce, _ in rest:
+                self._reply(other, other_nonce, {"ok": False, "error": f"transfer {tid!r} was fetched by another "
+                                                                       f"engine"})
 
-    def _send_blocks(self, ident: bytes, entry: _Entry, use_shm: bool) -> None:
+    def _send_blocks(self, ident: bytes, nonce: bytes, entry: _Entry, use_shm: bool) -> None:
         data = entry.data
         assert data is not None
         raw = data.view(torch.uint8).numpy().reshape(-1) if data.numel() else b""
-        head = {"ok": True, "hashes": entry.hashes, "shape": list(data.shape),
-                "dtype": str(data.dtype).removeprefix("torch."), "shm": None}
+        head = {"ok": True, "re": nonce, "hashes": entry.hashes, "shape": list(data.shape),
+                "dtype": str(data.dtype).removeprefix("torch."), "digest": hashlib.sha256(raw).digest(), "shm": None}
         nbytes = data.numel() * data.element_size()
         # counted before the send: the fetcher may act on the reply before this thread runs again
         self.bytes_sent += nbytes
         self.transfers_sent += 1
         if use_shm and nbytes:
             name = f"kvserve-kv-{uuid.uuid4().hex}"
-            with open(SHM_DIR / name, "wb") as f:
+            # this user's only: another local user's process must not read or rewrite the K/V
+            fd = os.open(SHM_DIR / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with open(fd, "wb") as f:
                 f.write(raw)
             self._segments[name] = time.monotonic() + self.lease_s
             head["shm"] = name
-            self._sock.send_multipart([ident, b"", _pack(head)])
+            self._sock.send_multipart([ident, b"", *self.auth.seal(head)[1]])
         else:
-            self._sock.send_multipart([ident, b"", _pack(head), raw], copy=False)
+            self._sock.send_multipart([ident, b"", *self.auth.seal(head)[1], raw], copy=False)
 
-    def _reply(self, ident: bytes, msg: dict[str, Any]) -> None:
-        self._sock.send_multipart([ident, b"", _pack(msg)])
+    def _reply(self, ident: bytes, nonce: bytes | None, msg: dict[str, Any]) -> None:
+        self._sock.send_multipart([ident, b"", *self.auth.seal(dict(msg, re=nonce))[1]])
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -257,19 +282,24 @@ def _listening(host: str, port: int) -> bool:
         return False
 
 
-def fetch(host: str, port: int, tid: str, handshake: dict[str, Any], timeout: float,
-          transport: str = "auto") -> tuple[list[bytes], torch.Tensor]:
-    """Pull transfer `tid` from the KVSender at host:port: (block hashes, [n, *block_shape]
-    tensor). Raises KVTransferError; never returns part of a transfer."""
+def fetch(host: str, port: int, tid: str, handshake: dict[str, Any], auth: TransferAuth, timeout: float,
+          max_blocks: int, transport: str = "auto") -> tuple[list[bytes], torch.Tensor]:
+    """Pull transfer `tid` from the KVSender at host:port: (the block hashes it claims, a
+    [n, *block_shape] tensor of this engine's block shape and KV dtype, `handshake`'s, with
+    n <= max_blocks). Raises KVTransferError; never returns part of a transfer, or bytes that
+    are not exactly what the sender signed."""
     use_shm = SHM_DIR.is_dir() and (transport == "shm" or (transport == "auto" and is_local_host(host)))
+    block_bytes = math.prod(handshake["block_shape"]) * getattr(torch, handshake["kv_dtype"]).itemsize
     if not _listening(host, port):
         raise KVTransferError(f"the prefill engine's KV sender at {host}:{port} is not reachable")
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_blocks * block_bytes + MAX_REQUEST_BYTES)  # a flood is cut off
     try:
         sock.connect(f"tcp://{host}:{port}")
-        sock.send_multipart([b"", _pack({"op": "fetch", "id": tid, "handshake": handshake, "shm": use_shm})])
+        nonce, sealed = auth.seal({"op": "fetch", "id": tid, "handshake": handshake, "shm": use_shm})
+        sock.send_multipart([b"", *sealed])
         deadline = time.monotonic() + timeout
         while not sock.poll(int(PROBE_S * 1000)):
             if time.monotonic() > deadline:
@@ -277,29 +307,56 @@ def fetch(host: str, port: int, tid: str, handshake: dict[str, Any], timeout: fl
             if not _listening(host, port):
                 raise KVTransferError(f"the prefill engine at {host}:{port} went away during the transfer")
         frames = sock.recv_multipart(copy=False)
-        head = _unpack(frames[1].bytes)
+        try:
+            head = auth.open([f.bytes for f in frames[1:3]])
+        except AuthError as e:
+            raise KVTransferError(f"the reply from {host}:{port} failed authentication: {e}") from None
         if not head.get("ok"):
             raise KVTransferError(f"the prefill engine at {host}:{port} refused: {head.get('error')}")
-        dtype = getattr(torch, head["dtype"])
-        shape = tuple(head["shape"])
-        if head["shm"] is not None:
-            data = _read_segment(head["shm"], shape, dtype)
-            sock.send_multipart([b"", _pack({"op": "release", "shm": head["shm"]})])
-        elif len(frames) > 2 and len(frames[2].buffer):
-            data = torch.frombuffer(bytearray(frames[2].buffer), dtype=torch.uint8).view(dtype).view(shape)
+        if head.get("re") != nonce:
+            raise KVTransferError(f"the reply from {host}:{port} answers another request")
+        if head.get("shm") is not None:
+            name = str(head["shm"])
+            try:
+                raw = _read_segment(name)
+            finally:
+                sock.send_multipart([b"", *auth.seal({"op": "release", "shm": name})[1]])
+        elif len(frames) == 4:
+            raw = memoryview(frames[3].buffer)
         else:
-            data = torch.empty(shape, dtype=dtype)
-        return [bytes(h) for h in head["hashes"]], data
+            raise KVTransferError(f"the reply from {host}:{port} has {len(frames) - 3} data frames, not one")
+        return _checked_blocks(head, raw, handshake, block_bytes, max_blocks)
     finally:
         sock.close()
 
 
-def _read_segment(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The blocks, mapped from the sender's file (private, copy-on-write): no copy here; the
-    pages stay ours after the sender removes the file, until the tensor is gone."""
-    nbytes = torch.Size(shape).numel() * dtype.itemsize
-    with open(SHM_DIR / Path(name).name, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    if len(mapped) < nbytes:
-        raise KVTransferError(f"shared-memory transfer {name} is shorter than its blocks")
-    return torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+def _checked_blocks(head: dict[str, Any], raw: Any, handshake: dict[str, Any], block_bytes: int,
+                    max_blocks: int) -> tuple[list[bytes], torch.Tensor]:
+    """The reply's hashes and blocks, once they are this engine's shape, dtype and size and the
+    bytes match the signed digest: nothing that fails here can reach the KV cache."""
+    hashes = head.get("hashes")
+    if not isinstance(hashes, list) or not all(isinstance(h, bytes) for h in hashes):
+        raise KVTransferError("the reply's hashes are not a list of block hashes")
+    if len(hashes) > max_blocks:
+        raise KVTransferError(f"the reply has {len(hashes)} blocks; the transfer promised {max_blocks}")
+    want = [len(hashes), *handshake["block_shape"]]
+    if head.get("shape") != want or head.get("dtype") != handshake["kv_dtype"]:
+        raise KVTransferError(f"the reply's blocks are {head.get('dtype')} {head.get('shape')}; this engine's KV "
+                              f"cache takes {handshake['kv_dtype']} {want}")
+    if len(raw) != len(hashes) * block_bytes:
+        raise KVTransferError(f"the reply's data is {len(raw)} bytes; {len(hashes)} blocks are "
+                              f"{len(hashes) * block_bytes}")
+    buf = bytearray(raw)  # copied before the digest: an shm file could change under its mapping
+    if not isinstance(head.get("digest"), bytes) or hashlib.sha256(buf).digest() != head["digest"]:
+        raise KVTransferError("the reply's data does not match the digest its sender signed")
+    data = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+    return [bytes(h) for h in hashes], data.view(getattr(torch, handshake["kv_dtype"])).view(want)
+
+
+def _read_segment(name: str) -> memoryview:
+    """The sender's file's bytes, mapped (private, copy-on-write)."""
+    try:
+        with open(SHM_DIR / Path(name).name, "rb") as f:
+            return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+    except (OSError, ValueError) as e:
+        raise KVTransferError(f"shared-memory transfer {name}: {e}") from None

@@ -102,7 +102,12 @@ class Executor(ABC):
         return torch.cat(stages, dim=1)
 
     def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Cut `data` (as read_kv_blocks returns it) into each rank's layers and heads, and write them."""
+        """Cut `data` (as read_kv_blocks returns it) into each rank's layers and heads, and write them.
+        Data of another shape is refused before any rank writes a byte."""
+        want = (len(block_ids), *self.kv_block_shape)
+        if tuple(data.shape) != want:
+            raise ValueError(f"KV block data is {list(data.shape)}; {len(block_ids)} blocks of this cache are "
+                             f"{list(want)}")
         shapes = self.collective_rpc("kv_block_shape")
         pieces, layer = [], 0
         for s in range(self.pp_size):

@@ -9,8 +9,10 @@ With --launch N the router starts N replicas itself, each on a free port with it
 events endpoint and its own share of this process's CPU cores, waits until they answer
 /health, and stops them (SIGTERM, then SIGKILL) when it exits for any reason. --launch-pd P D
 does the same for P prefill and D decode engines (`--kv-role prefill` with a K/V port of its
-own, `--kv-role decode`); with prefill and decode replicas each request is decoded on a decode
-replica and its prompt computed there or on a prefill replica (router/pd.py).
+own, `--kv-role decode` fetching from those ports only), which share a fresh random K/V transfer
+key (a file only this user can read, removed when they stop). With prefill and decode
+replicas each request is decoded on a decode replica and its prompt computed there or on a
+prefill replica (router/pd.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import contextlib
 import ctypes
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -52,6 +55,7 @@ STOP_TIMEOUT = 15.0
 OWNED_FLAGS = ("--host", "--port", "--kv-events-endpoint", "--kv-events-replay-endpoint", "--api-key",
                "--kv-role", "--kv-transfer-config")
 PD_CONNECTOR = "PDConnector"  # the engines' KV connector for prefill/decode transfer (disagg/)
+KV_KEY_FILE = "kv_transfer.key"  # --launch-pd's shared K/V transfer key, in the replicas' log folder
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -200,17 +204,25 @@ def _child_setup(cores: list[int]) -> Any:
     return setup
 
 
-def kv_role_flags(role: str, kv_port: int | None = None) -> list[str]:
+def kv_role_flags(role: str, kv_port: int | None = None, key_file: str | None = None,
+                  peers: list[str] | None = None) -> list[str]:
     """The flags that make an engine a prefill engine (a K/V producer serving its K/V on
-    `kv_port`) or a decode engine (a K/V consumer, pulling from the producers' ports)."""
+    `kv_port`) or a decode engine (a K/V consumer, pulling from the producers' ports, `peers`
+    only); both prove they belong to this deployment with the key in `key_file` (disagg/auth.py)."""
+    extra: dict[str, Any] = {"auth_key_file": key_file} if key_file else {}
     transfer: dict[str, Any] = {"kv_connector": PD_CONNECTOR, "kv_role": "kv_consumer"}
     if role == "prefill":
         transfer = {"kv_connector": PD_CONNECTOR, "kv_role": "kv_producer", "kv_ip": "127.0.0.1", "kv_port": kv_port}
+    elif peers is not None:
+        extra["peers"] = peers
+    if extra:
+        transfer["kv_connector_extra_config"] = extra
     return ["--kv-role", role, "--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
 
 
 def replica_command(engine_args: list[str], ports: list[int], role: str | None = None,
-                    api_key: str | None = None) -> list[str]:
+                    api_key: str | None = None, kv_key_file: str | None = None,
+                    kv_peers: list[str] | None = None) -> list[str]:
     """A launched replica's `kvserve serve` command: the engine flags, then those the router owns.
     `ports`: HTTP, KV events, their replay and, for a prefill engine, its K/V transfer."""
     http, events, replay = ports[:3]
@@ -218,22 +230,22 @@ def replica_command(engine_args: list[str], ports: list[int], role: str | None =
            "--port", str(http), "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
            "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}"]
     if role is not None:
-        cmd += kv_role_flags(role, ports[3] if role == "prefill" else None)
+        cmd += kv_role_flags(role, ports[3] if role == "prefill" else None, kv_key_file, kv_peers)
     if api_key:
         cmd += ["--api-key", api_key]
     return cmd
 
 
-def launch_commands(roles: list[str | None], engine_args: list[str],
-                    api_key: str | None = None) -> list[tuple[str, list[str]]]:
-    """(URL, command) of each replica to launch, one per role (None: a plain replica), on free ports."""
+def launch_commands(roles: list[str | None], engine_args: list[str], api_key: str | None = None,
+                    kv_key_file: str | None = None) -> list[tuple[str, list[str]]]:
+    """(URL, command) of each replica to launch, one per role (None: a plain replica), on free ports.
+    Decode engines fetch K/V from the launched prefill engines' ports only."""
     counts = [4 if role == "prefill" else 3 for role in roles]
     ports = iter(free_ports(sum(counts)))
-    out = []
-    for role, k in zip(roles, counts):
-        mine = [next(ports) for _ in range(k)]
-        out.append((f"http://127.0.0.1:{mine[0]}", replica_command(engine_args, mine, role, api_key)))
-    return out
+    mine = [[next(ports) for _ in range(k)] for k in counts]
+    peers = [f"127.0.0.1:{m[3]}" for role, m in zip(roles, mine) if role == "prefill"]
+    return [(f"http://127.0.0.1:{m[0]}", replica_command(engine_args, m, role, api_key, kv_key_file, peers))
+            for role, m in zip(roles, mine)]
 
 
 def launch_roles(args: argparse.Namespace) -> list[str | None]:
@@ -252,7 +264,8 @@ class ReplicaLauncher:
         self.replicas: list[Launched] = []
 
     def start(self) -> list[Launched]:
-        commands = launch_commands(self.roles, self.engine_args, self.api_key)
+        key_file = self._write_kv_key() if any(self.roles) else None
+        commands = launch_commands(self.roles, self.engine_args, self.api_key, key_file)
         for i, ((url, cmd), cores, role) in enumerate(zip(commands, split_cores(len(self.roles)), self.roles)):
             env = dict(os.environ, OMP_NUM_THREADS=str(len(cores)), PYTHONUNBUFFERED="1")
             log = self.log_dir / f"{role or 'replica'}-{i}.log"
@@ -282,8 +295,18 @@ class ReplicaLauncher:
             if waiting:
                 time.sleep(0.25)
 
+    def _write_kv_key(self) -> str:
+        """A fresh random key for this deployment's K/V transfers, readable by this user only (a
+        file, not a flag: other users see command lines)."""
+        path = self.log_dir / KV_KEY_FILE
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(secrets.token_hex(32))
+        return str(path)
+
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
         stop_processes([r.proc for r in self.replicas], timeout)
+        with contextlib.suppress(FileNotFoundError):  # kept logs must not keep the key
+            (self.log_dir / KV_KEY_FILE).unlink()
 
 
 def stop_processes(procs: list[subprocess.Popen], timeout: float = STOP_TIMEOUT) -> None:

@@ -10,6 +10,9 @@ in time, an error status, a reply without kv_transfer_params): the client's requ
 the decode replica without them and it prefills the prompt itself; so does a completion of
 several prompts ("batch": kv_transfer_params are one prompt's). A decode replica never
 gets kv_transfer_params but a prefill replica's whole object: a client's own are dropped.
+That object carries its own proof, `remote_auth`, the MAC the prefill engine made with the
+deployment's key (disagg/auth.py): the decode replica refuses params without it, so the router
+needs no key and only ever passes them on untouched.
 """
 
 from __future__ import annotations

@@ -10,14 +10,25 @@ import time
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.disagg.auth import sign_params
 from tests.conftest import hf_greedy
 
 BLOCK = 4
 PROMPTS = [list(range(5, 40)), list(range(50, 53)), list(range(60, 76)), list(range(100, 190)),
            [7] * 33, list(range(200, 221))]
+KEY = "pd-engine-test-deployment-key"
+
+
+def with_key(kw: dict, key: str = KEY) -> dict:
+    """Engine keywords with the deployment's shared key added to kv_transfer_config."""
+    cfg = kw.get("kv_transfer_config") or {}
+    extra = {"auth_key": key, **cfg.get("kv_connector_extra_config", {})}
+    return {**kw, "kv_transfer_config": {**cfg, "kv_connector_extra_config": extra}}
 
 
 def _llm(model_dir, **kw) -> LLM:
+    if "kv_role" in kw:
+        kw = with_key(kw)
     return LLM(model=str(model_dir), block_size=BLOCK, num_kv_blocks=256, dtype="float32", check_integrity=True,
                **kw)
 
@@ -126,7 +137,7 @@ def test_with_kv_tiers(model_dir, reference):
     the device comes back from RAM, a new one from the prefill engine."""
     p = _llm(model_dir, kv_role="prefill")
     d = LLM(model=str(model_dir), block_size=BLOCK, num_kv_blocks=28, dtype="float32", check_integrity=True,
-            kv_role="decode", kv_offload_cpu="64MiB")
+            kv_offload_cpu="64MiB", **with_key({"kv_role": "decode"}))
     try:
         outs = decode(d, PROMPTS[:4], prefill(p, PROMPTS[:4]))
         assert [o.outputs[0].token_ids for o in outs] == reference[:4]
@@ -223,8 +234,8 @@ def _dead_params(num_blocks: int = 8) -> dict:
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
-    return {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": port,
-            "remote_request_id": "gone", "remote_num_blocks": num_blocks}
+    return sign_params(KEY.encode(), {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": port,
+                                      "remote_request_id": "gone", "remote_num_blocks": num_blocks})
 
 
 def test_prefill_engine_gone_recomputes_here(pair, reference):
@@ -254,8 +265,8 @@ def test_prefill_engine_gone_fails_under_policy_fail(model_dir, reference):
 
 def test_mismatched_engines_are_refused_at_the_handshake(model_dir):
     p = _llm(model_dir, kv_role="prefill")
-    d = LLM(model=str(model_dir), block_size=8, num_kv_blocks=128, dtype="float32", kv_role="decode",
-            kv_load_failure_policy="fail")
+    d = LLM(model=str(model_dir), block_size=8, num_kv_blocks=128, dtype="float32", kv_load_failure_policy="fail",
+            **with_key({"kv_role": "decode"}))
     try:
         t = prefill(p, [PROMPTS[3]])[0]
         with pytest.raises(RuntimeError, match="handshake refused: block_size 8 there, 4 here"):
@@ -312,3 +323,11 @@ def test_config_errors_name_the_key():
         EngineConfig.from_kwargs(kv_role="decode", kv_transfer_config={"kv_connector_extra_config": {"transport": "rdma"}})
     cfg = EngineConfig.from_kwargs(kv_transfer_config='{"kv_role": "kv_producer", "kv_port": 5555}').kv_transfer
     assert cfg.kv_role == "prefill" and cfg.port == 5555 and cfg.policy == "recompute"
+    assert cfg.auth_key() is None and cfg.peers is None
+    for extra, match in [({"auth_key": "short"}, "auth_key must be a string of at least 16 bytes"),
+                         ({"auth_key": KEY, "auth_key_file": "/k"}, "auth_key_file or auth_key, not both"),
+                         ({"peers": "127.0.0.1"}, "peers must be a list"),
+                         ({"auth_key_file": "/nonexistent/kv.key"}, "auth_key_file '/nonexistent/kv.key': No such")]:
+        with pytest.raises(ValueError, match=match):
+            EngineConfig.from_kwargs(kv_role="decode", kv_transfer_config={
+                "kv_connector_extra_config": extra}).kv_transfer.auth_key()

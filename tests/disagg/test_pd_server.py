@@ -8,19 +8,29 @@ import json
 
 import pytest
 
+from kvserve.disagg.auth import sign_params
 from tests.router.router_procs import wait_until
 from tests.serving import (LONG_PROMPT, MODEL, TINY_SERVER_ARGS, http_request, metric_values, open_stream,
                            running_server, sse_events)
 
 ARGS = [*TINY_SERVER_ARGS, "--block-size", "4"]
+KEY = b"pd-server-test-deployment-key"
+
+
+def key_args(path) -> list[str]:
+    """--kv-transfer-config naming a file that holds the deployment's key."""
+    path.write_bytes(KEY)
+    path.chmod(0o600)
+    return ["--kv-transfer-config", json.dumps({"kv_connector_extra_config": {"auth_key_file": str(path)}})]
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_model_factory, tmp_path_factory):
     model = str(tiny_model_factory("llama"))
     logs = tmp_path_factory.mktemp("pd-logs")
-    with running_server([model, *ARGS, "--kv-role", "prefill"], logs / "prefill.log") as p, \
-            running_server([model, *ARGS, "--kv-role", "decode"], logs / "decode.log") as d:
+    key = key_args(logs / "kv.key")
+    with running_server([model, *ARGS, "--kv-role", "prefill", *key], logs / "prefill.log") as p, \
+            running_server([model, *ARGS, "--kv-role", "decode", *key], logs / "decode.log") as d:
         yield p, d
 
 
@@ -76,8 +86,8 @@ def test_decode_refuses_what_it_cannot_serve(servers):
                                   dict(body, prompt=["a", "b"], kv_transfer_params={"do_remote_decode": True}))
     assert status == 400 and b"single prompt" in raw
     # a prefill engine that is gone: the decode engine prefills itself (the default policy)
-    params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 9, "remote_request_id": "x",
-              "remote_num_blocks": 20}
+    params = sign_params(KEY, {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 9,
+                               "remote_request_id": "x", "remote_num_blocks": 20})
     body = {"model": MODEL, "prompt": "Gone away. " + LONG_PROMPT, "max_tokens": 5, "temperature": 0}
     want = _post(f"{p.v1}/completions", body)
     got = _post(f"{d.v1}/completions", dict(body, kv_transfer_params=params))

@@ -180,7 +180,7 @@ def test_launch_pd_command_lines():
     engine_args = _check_args(args)
     roles = launch_roles(args)
     assert roles == ["prefill", "decode", "decode"]
-    cmds = launch_commands(roles, engine_args, api_key="sk-1")
+    cmds = launch_commands(roles, engine_args, api_key="sk-1", kv_key_file="/run/kv.key")
     ports = []
     for (url, cmd), role in zip(cmds, roles):
         assert cmd[cmd.index("serve") + 1:cmd.index("serve") + 3] == ["--max-model-len", "1024"]
@@ -192,10 +192,12 @@ def test_launch_pd_command_lines():
                   int(flag["--kv-events-replay-endpoint"].rsplit(":", 1)[1])]
         if role == "prefill":
             assert transfer == {"kv_connector": "PDConnector", "kv_role": "kv_producer", "kv_ip": "127.0.0.1",
-                                "kv_port": transfer["kv_port"]}
+                                "kv_port": transfer["kv_port"],
+                                "kv_connector_extra_config": {"auth_key_file": "/run/kv.key"}}
             ports.append(transfer["kv_port"])
-        else:
-            assert transfer == {"kv_connector": "PDConnector", "kv_role": "kv_consumer"}
+        else:  # the launched prefill engine is a decode engine's only peer
+            assert transfer == {"kv_connector": "PDConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": {
+                "auth_key_file": "/run/kv.key", "peers": [f"127.0.0.1:{ports[3]}"]}}
     assert len(set(ports)) == len(ports) == 10  # every port its own
     plain = launch_commands(launch_roles(parse("--launch", "2")), [])
     assert all("--kv-role" not in cmd and "--api-key" not in cmd for _, cmd in plain)
