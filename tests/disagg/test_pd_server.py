@@ -97,3 +97,19 @@ def test_decode_refuses_what_it_cannot_serve(servers):
 
     wait_until("the failed fetch in /metrics", lambda: counted(d, "failed", 1))
     assert counted(d, "received", 1) and counted(p, "sent", 2)
+
+
+def test_a_client_cannot_name_where_kv_come_from(servers):
+    """The probe's attack over HTTP (test_transfer_security.py has the rest): kv_transfer_params
+    that point the decode engine at a sender of the client's choosing are refused, naming the
+    field, unless a prefill engine holding the deployment's key signed them."""
+    p, d = servers
+    body = {"model": MODEL, "prompt": "The capital of France is " + LONG_PROMPT, "max_tokens": 8, "temperature": 0}
+    want = _post(f"{p.v1}/completions", body)["choices"][0]["text"]  # no params: a plain engine's answer
+    forged = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 9, "remote_request_id": "x",
+              "remote_num_blocks": 8}
+    for params, why in [(forged, b"kv_transfer_params.remote_auth is missing"),
+                        (sign_params(b"a-key-the-client-made-up", forged), b"kv_transfer_params.remote_auth is wrong")]:
+        status, raw, _ = http_request("POST", f"{d.v1}/completions", dict(body, kv_transfer_params=params))
+        assert status == 400 and why in raw, raw
+    assert _post(f"{d.v1}/completions", body)["choices"][0]["text"] == want
