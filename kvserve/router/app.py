@@ -8,6 +8,10 @@ and /metrics about the router itself, and the live /dashboard of the router and 
 (start-up and --launch: router/launch.py; prefill/decode replicas: pd.py, pd_proxy.py).
 Errors the router makes itself leave in the OpenAI shape a replica uses; errors a replica
 makes pass through unchanged.
+
+In front of every route, as a replica has them (server/limits.py): the router's --api-key,
+checked from the headers before anything else (/health and /metrics open with
+--allow-unauthenticated-metrics), then the body limit (--max-request-bytes).
 """
 
 from __future__ import annotations
@@ -23,15 +27,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 import kvserve
 from kvserve.router.pd import PDConfig
 from kvserve.router.pd_proxy import PDProxy
 from kvserve.router.policies import make_policy
 from kvserve.router.policy import Policy
-from kvserve.router.proxy import FORWARD_HEADERS, REPLICA_HEADER, Proxy, RouterMetrics, describe, error_body
+from kvserve.router.proxy import REPLICA_HEADER, Proxy, RouterMetrics, describe, error_body, forward_headers
 from kvserve.router.replicas import DEFAULT_HEALTH_INTERVAL, HEALTH_TIMEOUT, ReplicaSet
 from kvserve.server.dashboard import add_dashboard
+from kvserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, BodyLimit
 
 logger = logging.getLogger(__name__)
 
@@ -54,16 +60,17 @@ class Router:
 
 
 async def start_router(urls: list[str], policy: str = "kv_aware", health_interval: float = DEFAULT_HEALTH_INTERVAL,
-                       tokenizer: str | None = None, api_key: str | None = None,
+                       tokenizer: str | None = None, upstream_api_key: str | None = None,
                        pids: dict[str, int] | None = None, policy_options: dict[str, Any] | None = None,
                        roles: dict[str, str] | None = None, pd: PDConfig | None = None) -> Router:
     """Probe the replicas (ValueError if they cannot be routed over together), load the
     tokenizer the policy needs, start the health checks. With `pd`, `roles` says which URLs
-    are prefill and which decode replicas (pd_roles)."""
+    are prefill and which decode replicas (pd_roles). `upstream_api_key`: the key the router
+    sends the replicas, on its probes and in place of the clients' on their requests."""
     pol = make_policy(policy, **(policy_options or {}))
     client = httpx.AsyncClient(timeout=CLIENT_TIMEOUT, limits=httpx.Limits(max_connections=None,
                                                                           max_keepalive_connections=64))
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = {"authorization": f"Bearer {upstream_api_key}"} if upstream_api_key else {}
     replicas = ReplicaSet(urls, pol, client, health_interval, headers, pids, roles)
     metrics = RouterMetrics()
     proxy = PDProxy(replicas, pol, client, metrics, pd) if pd is not None else Proxy(replicas, pol, client, metrics)
@@ -100,13 +107,27 @@ def _error(status: int, message: str, type_: str, headers: dict[str, str] | None
     return JSONResponse(error_body(status, message, type_), status_code=status, headers=headers)
 
 
-def build_app(router: Router) -> FastAPI:
+OPEN_METRICS_PATHS = ("/health", "/metrics")  # --allow-unauthenticated-metrics: for probes and scrapers
+
+
+def build_app(router: Router, api_key: str | None = None, open_metrics: bool = False,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The router's routes behind its front door: with `api_key` every route needs it but, with
+    `open_metrics`, /health and /metrics; bodies over `max_request_bytes` get 413."""
     app = FastAPI(title="kvserve router", version=kvserve.__version__)
     replicas, proxy = router.replicas, router.proxy
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    if api_key is not None:  # added last, so outermost: no body is read before the key is checked
+        app.add_middleware(APIKeyCheck, key=api_key, open_paths=OPEN_METRICS_PATHS if open_metrics else ())
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(exc.status_code, str(exc.detail), "invalid_request_error")
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, exc: ClientDisconnect) -> Response:
+        # The client left, or --body-timeout cut its body off (and answered 408): no one to answer.
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
@@ -127,7 +148,7 @@ def build_app(router: Router) -> FastAPI:
         """The request (body and headers as sent) answered by a healthy replica, the next one
         when it cannot be reached, its status and body unchanged: for routes any replica
         answers alike."""
-        fwd = {k: v for k in FORWARD_HEADERS if (v := request.headers.get(k)) is not None}
+        fwd = forward_headers(request.headers, replicas.headers)
         body = await request.body()
         failures = []
         healthy = replicas.healthy()

@@ -38,6 +38,7 @@ from typing import Any
 
 import uvicorn
 
+from kvserve.config import parse_size
 from kvserve.router.pd import (
     DEFAULT_LOCAL_BUDGET_MS,
     DEFAULT_MAX_LOCAL_PREFILL_LENGTH,
@@ -47,6 +48,12 @@ from kvserve.router.pd import (
 )
 from kvserve.router.policies import load_policies
 from kvserve.router.replicas import DEFAULT_HEALTH_INTERVAL
+from kvserve.server.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_REQUEST_BYTES,
+    h11_with_header_timeout,
+)
 
 DEFAULT_LAUNCH_TIMEOUT = 300.0
 STOP_TIMEOUT = 15.0
@@ -94,12 +101,40 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="the replicas' model or tokenizer, when the router cannot read their model path")
     p.add_argument("--api-key", default=None,
-                   help="key for the router's own probes, and given to --launch replicas; clients' "
-                        "Authorization headers are forwarded unchanged")
+                   help="require 'Authorization: Bearer KEY' on every route (checked before the body is read), "
+                        "/health and /metrics too unless --allow-unauthenticated-metrics")
+    p.add_argument("--allow-unauthenticated-metrics", action="store_true",
+                   help="with --api-key: leave /health and /metrics open, for load balancers and scrapers")
+    p.add_argument("--upstream-api-key", default=None, metavar="KEY",
+                   help="the key the router sends the replicas (its probes, and forwarded requests in place of "
+                        "the client's key); given to --launch replicas (default: --api-key; with neither, a "
+                        "client's Authorization header is forwarded unchanged)")
+    p.add_argument("--max-request-bytes", type=_size, default=DEFAULT_MAX_REQUEST_BYTES, metavar="SIZE",
+                   help="larger request bodies get 413 before they are read (default 16MiB); prompts longer than "
+                        "the replicas' max-model-len can be are refused before they are tokenized")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
+                   help="close a connection whose request headers are not complete this long after it opened "
+                        f"or after its last response (default {DEFAULT_HEADER_TIMEOUT_S:g})")
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="SECONDS",
+                   help="answer 408 and close a connection whose request body is not complete this long after "
+                        f"its headers (default {DEFAULT_BODY_TIMEOUT_S:g})")
     p.add_argument("--launch-timeout", type=float, default=DEFAULT_LAUNCH_TIMEOUT, metavar="SECONDS",
                    help=f"how long --launch waits for a replica to answer /health (default {DEFAULT_LAUNCH_TIMEOUT:g})")
     p.add_argument("engine_args", nargs=argparse.REMAINDER, metavar="-- ENGINE_FLAGS",
                    help="flags for the `kvserve serve` replicas of --launch or --launch-pd")
+
+
+def _size(value: str) -> int:
+    try:
+        return parse_size(value, "--max-request-bytes")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def upstream_api_key(args: argparse.Namespace) -> str | None:
+    """The key the router sends the replicas (and gives those it launches): --upstream-api-key,
+    else its own --api-key."""
+    return args.upstream_api_key if args.upstream_api_key is not None else args.api_key
 
 
 def _check_args(args: argparse.Namespace) -> list[str]:
@@ -130,7 +165,7 @@ def _check_args(args: argparse.Namespace) -> list[str]:
                          "--prefill URL --decode URL or --launch-pd P D")
     for flag in OWNED_FLAGS:
         if any(a == flag or a.startswith(flag + "=") for a in extra):
-            hint = ("; use the router's --api-key" if flag == "--api-key" else
+            hint = ("; use the router's --upstream-api-key (default: its --api-key)" if flag == "--api-key" else
                     "; --launch-pd P D starts prefill and decode engines" if flag.startswith("--kv-") else "")
             raise ValueError(f"{flag} after `--`: the router sets it on each replica it launches{hint}")
     if not 0 <= args.port <= 65535:
@@ -139,6 +174,16 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         raise ValueError(f"--health-interval must be > 0 seconds, got {args.health_interval}")
     if args.launch_timeout <= 0:
         raise ValueError(f"--launch-timeout must be > 0 seconds, got {args.launch_timeout}")
+    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+        if not value > 0:
+            raise ValueError(f"{flag} must be > 0 seconds, got {value}")
+    for flag, key in (("--api-key", args.api_key), ("--upstream-api-key", args.upstream_api_key)):
+        if key is not None and (not key or not key.isascii() or not key.isprintable() or " " in key):
+            raise ValueError(f"{flag} must be a non-empty printable ASCII key without spaces (it travels in an "
+                             "Authorization header)")
+    if args.allow_unauthenticated_metrics and args.api_key is None:
+        raise ValueError("--allow-unauthenticated-metrics leaves /health and /metrics open when --api-key "
+                         "protects the rest; without --api-key every route is open already")
     return extra
 
 
@@ -333,11 +378,11 @@ async def _serve(args: argparse.Namespace, launched: list[Launched], pd: PDConfi
     mine = {role: [r.url for r in launched if r.role == role] for role in ("prefill", "decode")}
     prefill, decode = [*args.prefill, *mine["prefill"]], [*args.decode, *mine["decode"]]
     urls = [*args.replica, *(r.url for r in launched if r.role is None), *prefill, *decode]
-    router = await start_router(urls, args.policy, args.health_interval, args.tokenizer, args.api_key,
-                                pids={r.url: r.proc.pid for r in launched},
+    router = await start_router(urls, args.policy, args.health_interval, args.tokenizer,
+                                upstream_api_key=upstream_api_key(args), pids={r.url: r.proc.pid for r in launched},
                                 roles=pd_roles(prefill, decode) if pd else None, pd=pd)
     try:
-        app = build_app(router)
+        app = build_app(router, args.api_key, args.allow_unauthenticated_metrics, args.max_request_bytes)
         for r in router.replicas.replicas:
             own = by_url.get(r.url)
             where = f"pid {own.proc.pid}, cores {','.join(map(str, own.cores))}, log {own.log}" if own else "external"
@@ -347,8 +392,11 @@ async def _serve(args: argparse.Namespace, launched: list[Launched], pd: PDConfi
             print(f"kvserve router: {what} {r.url} ({where}; {events}; {state})", flush=True)
         how = f"policy {args.policy}" + (f", P/D decision {pd.decision}" if pd else "")
         print(f"kvserve router: {how}, serving at http://{args.host}:{args.port}/v1", flush=True)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                timeout_graceful_shutdown=5)
+        if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"kvserve router: warning: no --api-key, and {args.host} is not loopback: anyone who can reach "
+                  "the port can send requests and read /replicas (pids, ports)", flush=True)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5,
+                                http=h11_with_header_timeout(args.header_timeout, args.body_timeout))
         await uvicorn.Server(config).serve()
     finally:
         await router.close()
@@ -365,7 +413,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     # the `finally` below stop the replicas this router launched.
     signal.signal(signal.SIGTERM, _raise_exit)
     roles = launch_roles(args)
-    launcher = ReplicaLauncher(roles, engine_args, args.api_key) if roles else None
+    launcher = ReplicaLauncher(roles, engine_args, upstream_api_key(args)) if roles else None
     code: int | None = None  # stays None when an exception (a start-up error) leaves this function
     try:
         launched: list[Launched] = []

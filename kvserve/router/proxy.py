@@ -10,8 +10,10 @@ error event when a stream already under way loses its replica.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
+import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
@@ -24,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from kvserve.router.policy import Decision, Policy, RouteRequest
 from kvserve.router.replicas import Lease, Replica, ReplicaSet
 from kvserve.server import prompts
+from kvserve.server.limits import prompt_texts
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +44,15 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
-def error_body(status: int, message: str, type_: str) -> dict[str, Any]:
+def error_body(status: int, message: str, type_: str, param: str | None = None) -> dict[str, Any]:
     """The OpenAI error shape, exactly as a replica writes it (serving.APIError.body)."""
-    return {"error": {"message": message, "type": type_, "param": None, "code": status}}
+    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+
+def forward_headers(headers: Mapping[str, str], upstream: Mapping[str, str]) -> dict[str, str]:
+    """What a replica gets of the client's headers: FORWARD_HEADERS, with the Authorization of
+    the router's --upstream-api-key in place of the client's when there is one."""
+    return {**{k: v for k in FORWARD_HEADERS if (v := headers.get(k)) is not None}, **upstream}
 
 
 class RouterMetrics:
@@ -152,6 +161,14 @@ def request_text(kind: str, body: dict[str, Any]) -> str:
     return "\n".join(p for p in prompts if isinstance(p, str))
 
 
+def check_prompt_text(kind: str, body: dict[str, Any], limits: prompts.TextLimits) -> None:
+    """The server's check of prompt text (PromptError, a 400 naming the field: longer than any
+    context, or not Unicode), on the raw body before anything is tokenized."""
+    if texts := prompt_texts(kind, body):
+        prompts.check_prompt_text([t for t, _ in texts], [name for _, name in texts], limits,
+                                  "messages" if kind == "chat" else "prompt")
+
+
 def prompt_token_ids(kind: str, body: dict[str, Any], tokenizer: Any) -> list[list[int]] | None:
     """Each prompt's token ids, exactly as the replica computes them; None when the request is
     malformed (the replica answers it with its own error)."""
@@ -194,6 +211,18 @@ class Proxy:
                  metrics: RouterMetrics, tokenizer: Any = None) -> None:
         self.replicas, self.policy, self.client, self.metrics = replicas, policy, client, metrics
         self.tokenizer = tokenizer
+        self._limits: tuple[int, prompts.TextLimits] | None = None  # (max_model_len, its limits)
+
+    def text_limits(self) -> prompts.TextLimits | None:
+        """Prompt text over these fits in no replica's context (prompts.text_limits at the largest
+        max-model-len a replica reports); None without the tokenizer or that length. The replicas'
+        KV capacity, the bound on a request's prompts together, is theirs to check."""
+        n = self.replicas.max_model_len()
+        if self.tokenizer is None or n is None:
+            return None
+        if self._limits is None or self._limits[0] != n:
+            self._limits = (n, dataclasses.replace(prompts.text_limits(self.tokenizer, n, n), per_request=sys.maxsize))
+        return self._limits[1]
 
     async def handle(self, kind: str, path: str, raw: bytes, headers: Mapping[str, str]) -> Response:
         try:
@@ -201,12 +230,17 @@ class Proxy:
         except ValueError:
             body = None
         body = body if isinstance(body, dict) else {}  # still forwarded: the replica says what is wrong
+        if (limits := self.text_limits()) is not None:
+            try:
+                check_prompt_text(kind, body, limits)
+            except prompts.PromptError as e:  # as the replica would answer, without tokenizing it here
+                return JSONResponse(error_body(400, e.message, "invalid_request_error", e.param), status_code=400)
         if self.tokenizer is not None:  # tokenizing a long prompt would stall every other stream
             req = await asyncio.to_thread(build_route_request, kind, body, headers, self.tokenizer,
                                           self.needs_tokens)
         else:
             req = build_route_request(kind, body, headers, None, self.needs_tokens)
-        fwd = {k: v for k in FORWARD_HEADERS if (v := headers.get(k)) is not None}
+        fwd = forward_headers(headers, self.replicas.headers)
         stream = body.get("stream") is True
         tried: set[str] = set()
         failures: list[str] = []

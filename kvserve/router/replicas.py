@@ -103,7 +103,7 @@ class ReplicaSet:
                          for u in dict.fromkeys(urls)]
         self.policy, self.client = policy, client
         self.health_interval = health_interval
-        self.headers = headers or {}  # the router's own key, for probes of key-protected routes
+        self.headers = headers or {}  # Authorization of --upstream-api-key: on probes and forwarded requests
         self.reference: dict[str, tuple[Any, str]] = {}  # field -> (value, replica that set it)
         self._locks = {r.url: asyncio.Lock() for r in self.replicas}
         self._tasks: set[asyncio.Task] = set()
@@ -144,6 +144,10 @@ class ReplicaSet:
 
     def model_path(self) -> str | None:
         return next((r.model_path for r in self.replicas if r.model_path), None)
+
+    def max_model_len(self) -> int | None:
+        """The longest context a replica reports (its /kv_events), None if none reports one."""
+        return max((n for r in self.replicas if isinstance(n := r.kv_info.get("max_model_len"), int)), default=None)
 
     def describe(self) -> list[dict[str, Any]]:
         out = []
@@ -187,7 +191,7 @@ class ReplicaSet:
 
     async def _health_ok(self, r: Replica) -> bool:
         try:
-            resp = await self.client.get(f"{r.url}/health", timeout=HEALTH_TIMEOUT)
+            resp = await self.client.get(f"{r.url}/health", headers=self.headers, timeout=HEALTH_TIMEOUT)
         except httpx.HTTPError as e:
             r.last_error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             return False
