@@ -102,11 +102,12 @@ def spawn_router(args: list[str], log: Path) -> Router:
     return Router(proc, f"http://127.0.0.1:{port}", log)
 
 
-def wait_router(r: Router, timeout: float = 120.0) -> Router:
+def wait_router(r: Router, timeout: float = 120.0, headers: dict[str, str] | None = None) -> Router:
+    """Until the router answers /version (`headers`: with its --api-key)."""
     def up() -> bool:
         if r.proc.poll() is not None:
             pytest.fail(f"router exited with {r.proc.returncode}:\n{r.log.read_text()}")
-        return http_request("GET", f"{r.base}/version", timeout=5)[0] == 200
+        return http_request("GET", f"{r.base}/version", headers=headers, timeout=5)[0] == 200
     wait_until("the router to start", up, timeout, 0.25)
     return r
 
@@ -128,6 +129,7 @@ class FakeReplica:
     def __init__(self, kv_events: dict | None = None) -> None:
         self.mode, self.health, self.kv_events = "ok", 200, kv_events
         self.posts: list[tuple[str, dict[str, str], bytes]] = []
+        self.gets: list[tuple[str, dict[str, str]]] = []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeHandler)
         self.server.daemon_threads = True
         self.server.fake = self  # type: ignore[attr-defined]
@@ -158,6 +160,7 @@ class _FakeHandler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802
         fake: FakeReplica = self.server.fake  # type: ignore[attr-defined]
+        fake.gets.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
         if self.path == "/health":
             self._json(fake.health, {"status": "ok"})
         elif self.path == "/kv_events" and fake.kv_events is not None:

@@ -378,7 +378,7 @@ def test_chat_prompt_ids_are_the_servers(tokenizer):
     assert tokenizer.decode(ours).endswith("<|im_start|>assistant\n")
     # The server's path (validated pydantic messages) gives the same ids for the same raw body.
     serving = object.__new__(ChatServing)  # only the tokenizer and the context length build the prompt
-    serving.tokenizer, serving.info = tokenizer, SimpleNamespace(max_model_len=2048)
+    serving.tokenizer, serving.info = tokenizer, SimpleNamespace(max_model_len=2048, num_kv_blocks=64, block_size=16)
     assert serving.chat_ids(P.ChatCompletionRequest(messages=RAW_MESSAGES).messages) == ours
 
 
@@ -392,7 +392,7 @@ def test_prompt_errors_name_the_field(tokenizer):
         chat_prompt_ids(tokenizer, image)
     assert e.value.param == "messages" and isinstance(e.value, ValueError)
     serving = object.__new__(ChatServing)
-    serving.tokenizer, serving.info = tokenizer, SimpleNamespace(max_model_len=2048)
+    serving.tokenizer, serving.info = tokenizer, SimpleNamespace(max_model_len=2048, num_kv_blocks=64, block_size=16)
     with pytest.raises(APIError) as api:
         serving.chat_ids(P.ChatCompletionRequest(messages=image).messages)
     assert (api.value.status, api.value.message, api.value.param) == (400, "only text content parts are supported",
