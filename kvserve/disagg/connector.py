@@ -204,10 +204,11 @@ class PDConnector(KVConnector, KVConnectorWorker):
         except Exception as e:  # noqa: BLE001 - any failure means: no remote K/V for this request
             self.stats_counts["kv_transfer_failed"] += 1
             reason = str(e) if isinstance(e, KVTransferError) else f"{type(e).__name__}: {e}"
-            if self.cfg.policy == "fail":
-                with self._lock:
+            with self._lock:
+                gone = rid in self._cancelled
+                if self.cfg.policy == "fail" and not gone:
                     self._errors[rid] = f"remote KV load failed: {reason}"
-            else:
+            if self.cfg.policy != "fail" and not gone:
                 logger.warning("request %s: remote KV load failed (%s); prefilling here", rid, reason)
         finally:
             with self._lock:

@@ -82,7 +82,10 @@ class Executor(ABC):
     @property
     def kv_block_shape(self) -> tuple[int, ...]:
         """[layers, 2, block_size, kv_heads, head_dim] of one whole block."""
-        shapes = self.collective_rpc("kv_block_shape")
+        return self._whole_block_shape(self.collective_rpc("kv_block_shape"))
+
+    def _whole_block_shape(self, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+        """One whole block's shape from every rank's piece of it."""
         layers = sum(shapes[s * self.tp_size][0] for s in range(self.pp_size))
         heads = sum(shapes[t][3] for t in range(self.tp_size))
         first = shapes[0]
@@ -104,11 +107,11 @@ class Executor(ABC):
     def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Cut `data` (as read_kv_blocks returns it) into each rank's layers and heads, and write them.
         Data of another shape is refused before any rank writes a byte."""
-        want = (len(block_ids), *self.kv_block_shape)
+        shapes = self.collective_rpc("kv_block_shape")
+        want = (len(block_ids), *self._whole_block_shape(shapes))
         if tuple(data.shape) != want:
             raise ValueError(f"KV block data is {list(data.shape)}; {len(block_ids)} blocks of this cache are "
                              f"{list(want)}")
-        shapes = self.collective_rpc("kv_block_shape")
         pieces, layer = [], 0
         for s in range(self.pp_size):
             n_layers = shapes[s * self.tp_size][0]

@@ -298,9 +298,26 @@ def test_silent_peers_cost_their_own_requests_only(pair, reference):
         assert done.num_cached_tokens_by_tier.get("kv_transfer") == 32
         for r in hung:
             d.engine.abort_request(r)
+        failed = d.engine.stats()["kv_transfer_failed"]
     finally:
         for s in silent:
             s.close()
+    deadline = time.monotonic() + 5  # their fetches see the senders gone within a probe or two
+    while d.engine.stats()["kv_transfer_failed"] < failed + 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert d.engine.stats()["kv_transfer_failed"] == failed + 4
     idle(d)
     d.engine.kv.check_integrity(d.engine.scheduler.block_holders())
     assert d.engine.stats()["kv_blocks_used"] == 0
+
+
+def test_executor_refuses_blocks_of_another_shape(pair):
+    """The last line of defence, under the connector's checks: nothing is written."""
+    _, d = pair
+    ex = d.engine.executor
+    good = ex.read_kv_blocks([0, 1])
+    with pytest.raises(ValueError, match=r"KV block data is \[2, .*\]; 2 blocks of this cache are \[2, "):
+        ex.write_kv_blocks([0, 1], good.reshape(*good.shape[:4], -1))
+    with pytest.raises(ValueError, match=r"; 1 blocks of this cache are"):
+        ex.write_kv_blocks([0], good)
+    assert torch.equal(ex.read_kv_blocks([0, 1]), good)
