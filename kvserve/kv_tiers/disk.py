@@ -286,6 +286,7 @@ class DiskTier(KVTier):
                 "misses": self._misses,
                 "evictions": self._evictions,
                 "write_errors": self._write_errors,
+                "write_failing": self._write_failing,
             }
 
     def close(self) -> None:

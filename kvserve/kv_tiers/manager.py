@@ -125,6 +125,7 @@ class TierManager(KVConnector, KVConnectorWorker):
         self.bytes_offloaded: dict[str, int] = defaultdict(int)
         self.bytes_onloaded = 0
         self.writes_dropped = 0
+        self.write_failures: dict[str, int] = defaultdict(int)  # puts a tier did not store (I/O, unreachable)
         # KV events (for routers): the sink, and the chain hash of each entry in the host and
         # disk tiers by key (a tier evicts by key; a router knows blocks by chain hash).
         self.events: KVEventSink | None = None
@@ -311,6 +312,8 @@ class TierManager(KVConnector, KVConnectorWorker):
         if self.remote.put(key, blob):
             self.bytes_offloaded[REMOTE] += len(blob)
             self._stored(REMOTE, key, (b.block_hash, b.parent_hash))
+        else:
+            self.write_failures[REMOTE] += 1
 
     # ---- KVConnector: prefetch from slow tiers -------------------------------------
 
@@ -405,6 +408,8 @@ class TierManager(KVConnector, KVConnectorWorker):
             if tier.put(key, blob):
                 self.bytes_offloaded[tier.name] += len(blob)
                 self._stored(tier.name, key, name)
+            else:
+                self.write_failures[tier.name] += 1
 
     # ---- management ---------------------------------------------------------------
 
@@ -422,7 +427,10 @@ class TierManager(KVConnector, KVConnectorWorker):
                         f"kv_tier_{n}_bytes_offloaded": self.bytes_offloaded[n],
                         f"kv_tier_{n}_entries": s["entries"], f"kv_tier_{n}_bytes_used": s["bytes_used"],
                         f"kv_tier_{n}_capacity_bytes": s["capacity_bytes"],
-                        f"kv_tier_{n}_available": bool(s["available"])})
+                        f"kv_tier_{n}_available": bool(s["available"]),
+                        f"kv_tier_{n}_write_failures": self.write_failures[n],
+                        # unreachable, or its last write failed (a full disk): KV is not being kept there
+                        f"kv_tier_{n}_degraded": not s["available"] or bool(s.get("write_failing"))})
         return out
 
     def clear(self) -> dict[str, int]:

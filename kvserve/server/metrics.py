@@ -66,6 +66,10 @@ _TIER_METRICS = (  # (stat suffix, metric name, kind, help)
     ("bytes_used", "kv_tier_usage_bytes", GaugeMetricFamily, "Bytes held by a tier."),
     ("capacity_bytes", "kv_tier_capacity_bytes", GaugeMetricFamily, "A tier's size limit (0: managed elsewhere)."),
     ("available", "kv_tier_available", GaugeMetricFamily, "1 while the tier is reachable."),
+    ("write_failures", "kv_tier_write_failures", CounterMetricFamily,
+     "Writes a tier did not store (I/O error, disk full, unreachable)."),
+    ("degraded", "kv_tier_degraded", GaugeMetricFamily,
+     "1 while a tier is unreachable or its writes fail (KV is not being kept there)."),
 )
 
 
@@ -80,6 +84,8 @@ def _tier_metrics(s: dict[str, float | int]) -> Iterator[Metric]:
         yield fam
     yield CounterMetricFamily(f"{PREFIX}kv_tier_bytes_onloaded", "Bytes of KV loaded back into the KV cache.",
                               value=s["kv_tier_bytes_onloaded"])
+    yield CounterMetricFamily(f"{PREFIX}kv_tier_writes_dropped", "Blocks not written to a slower tier because "
+                              "its write queue was full.", value=s["kv_tier_writes_dropped"])
 
 
 def _transfer_metrics(s: dict[str, float | int]) -> Iterator[Metric]:
