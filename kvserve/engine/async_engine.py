@@ -212,6 +212,13 @@ class AsyncEngine:
             at, stats = self._snapshot
             return dict(stats, stats_age_s=round(max(0.0, time.time() - at), 3))
 
+    async def barrier(self, timeout: float = STATS_TIMEOUT_S) -> None:
+        """Return once the engine process has read every message sent before this call: it answers
+        a query after them, in order, on the one output socket, so a request it refused already has
+        its error queued for its generate(). The engine reads between steps; asyncio.TimeoutError
+        if it has not answered within `timeout`, EngineDeadError if it is gone."""
+        await self._query(STATS, timeout)
+
     async def clear_kv_cache(self, timeout: float = 10.0) -> dict[str, int]:
         """EngineCore.clear_kv_cache() in the engine process: entries removed per tier.
         EngineBusyError if it has not answered within `timeout` (it still clears, between steps)."""

@@ -1,7 +1,7 @@
 """`kvserve serve`: start the engine process, then the HTTP front end on uvicorn.
 
     kvserve serve [MODEL] --host 127.0.0.1 --port 8000 [engine flags] [--api-key KEY]
-                  [--served-model-name NAME] [--max-waiting N]
+                  [--served-model-name NAME] [--max-waiting N] [--max-n N]
 
 The engine process gets the compute cores (--cpu-threads, --cpu-threads-bind); this one, which
 only tokenizes and speaks HTTP, keeps one torch thread.
@@ -30,6 +30,7 @@ from kvserve.engine_args import EXIT_BAD_INPUT, add_engine_args
 from kvserve.server.limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, h11_with_header_timeout
 
 DEFAULT_MAX_WAITING = 1024
+DEFAULT_MAX_N = 16  # serving.DEFAULT_MAX_N; not imported, so --help does not load the server
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -42,8 +43,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: file name)")
     g.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
-                   help="requests waiting for their first token beyond which new ones get 503 "
-                        f"with Retry-After (default {DEFAULT_MAX_WAITING})")
+                   help="sequences (a prompt's n samples each count) waiting for their first token beyond "
+                        f"which new requests get 503 with Retry-After (default {DEFAULT_MAX_WAITING}); a request "
+                        "with more sequences than this gets 400")
+    g.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
+                   help=f"the largest n (samples per prompt) a request may ask for; more gets 400 "
+                        f"(default {DEFAULT_MAX_N})")
     g.add_argument("--max-request-bytes", type=_size, default=DEFAULT_MAX_REQUEST_BYTES, metavar="SIZE",
                    help="larger request bodies get 413 before they are read (default 16MiB); prompts longer "
                         "than max-model-len tokens can be are refused before they are tokenized")
@@ -66,6 +71,8 @@ def _check_args(args: argparse.Namespace) -> None:
         args.model = args.model_pos
     if args.max_waiting < 1:
         raise ValueError(f"--max-waiting must be at least 1, got {args.max_waiting}")
+    if args.max_n < 1:
+        raise ValueError(f"--max-n must be at least 1, got {args.max_n}")
     if not args.header_timeout > 0:
         raise ValueError(f"--header-timeout must be positive, got {args.header_timeout}")
     if not 0 <= args.port <= 65535:
@@ -105,7 +112,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
         model = config.model.model
         name = args.served_model_name or Path(model.rstrip("/") if model else info.model_path).stem
         app = build_app(engine, tokenizer, name, api_key=args.api_key, max_waiting=args.max_waiting,
-                        max_request_bytes=args.max_request_bytes)
+                        max_request_bytes=args.max_request_bytes, max_n=args.max_n)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                 timeout_graceful_shutdown=5, http=h11_with_header_timeout(args.header_timeout))
         server = _Server(config, engine)

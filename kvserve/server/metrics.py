@@ -141,7 +141,8 @@ class ServerMetrics:
                                ["finished_reason"], registry=r)
         self.engine = _EngineCollector()
         r.register(self.engine)
-        # Engine requests sent and not yet given their first token; --max-waiting bounds it.
+        # Sequences (an engine request's n completions) sent and not yet given their first token;
+        # --max-waiting bounds it.
         self.num_waiting_first_token = 0
 
     async def render(self, engine: Any) -> bytes:
@@ -167,7 +168,8 @@ class RequestTracker:
         self.last: float | None = None  # when the last token-carrying delta arrived
         self.counted_prompt = False
         self.closed = False
-        m.num_waiting_first_token += 1
+        self.waiting = set(range(n))  # completions without a token yet
+        m.num_waiting_first_token += n
 
     def on_delta(self, d: RequestDelta) -> None:
         now = time.perf_counter()
@@ -179,11 +181,13 @@ class RequestTracker:
             self.m.generation_tokens.inc(tokens)
             if self.last is None:
                 self.m.ttft.observe(now - self.start)
-                self.m.num_waiting_first_token -= 1
             else:
                 self.m.itl.observe(now - self.last)
             self.last = now
         for c in d.outputs:
+            if c.index in self.waiting and (c.token_ids or c.finish_reason is not None):
+                self.waiting.discard(c.index)
+                self.m.num_waiting_first_token -= 1
             if c.finish_reason is not None:
                 self.m.success.labels(finished_reason=c.finish_reason).inc()
                 self.unfinished -= 1
@@ -197,7 +201,7 @@ class RequestTracker:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            if self.last is None:
-                self.m.num_waiting_first_token -= 1
+            self.m.num_waiting_first_token -= len(self.waiting)
+            self.waiting.clear()
             if self.unfinished > 0:
                 self.m.success.labels(finished_reason="abort").inc(self.unfinished)

@@ -24,12 +24,13 @@ import kvserve
 from kvserve.engine.async_engine import AsyncEngine, EngineBusyError, EngineDeadError
 from kvserve.server import protocol as P
 from kvserve.server.dashboard import add_dashboard
-from kvserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
+from kvserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, bearer_token_ok
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.serving import APIError
+from kvserve.server.serving import DEFAULT_MAX_N, RETRY_AFTER_S, APIError, ClientGone, engine_dead
 from kvserve.server.serving_chat import ChatServing
 from kvserve.server.serving_completion import CompletionServing
 from kvserve.server.serving_tokenize import TokenizeServing, add_tokenize_routes
+from kvserve.server.tokenizer_pool import TokenizerBusy, TokenizerPool
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,15 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return _error_response(_validation_error(exc))
 
+    @app.exception_handler(TokenizerBusy)
+    async def _busy(_: Request, exc: TokenizerBusy) -> JSONResponse:
+        return _error_response(APIError(503, str(exc), "service_unavailable",
+                                        headers={"Retry-After": str(RETRY_AFTER_S)}))
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error_response(APIError(exc.status_code, str(exc.detail)))
@@ -78,33 +88,37 @@ async def _ask_engine(query: Any) -> Any:
     try:
         return await query
     except EngineDeadError as e:
-        raise APIError(503, str(e), "service_unavailable") from None
+        raise engine_dead(str(e)) from None
     except EngineBusyError as e:
         raise APIError(503, f"{e}; try again", "service_unavailable", headers={"Retry-After": "1"}) from None
 
 
 def build_app(engine: AsyncEngine, tokenizer: Any, served_model_name: str, api_key: str | None = None,
-              max_waiting: int = 1024, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_waiting: int = 1024, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              max_n: int = DEFAULT_MAX_N) -> FastAPI:
     app = FastAPI(title="kvserve", version=kvserve.__version__)
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     add_dashboard(app)
     metrics = ServerMetrics()
-    completion = CompletionServing(engine, tokenizer, served_model_name, metrics, max_waiting)
-    chat = ChatServing(engine, tokenizer, served_model_name, metrics, max_waiting)
+    pool = TokenizerPool(max_waiting)  # one tokenizer thread for every route
+    shared = (engine, tokenizer, served_model_name, metrics, max_waiting, max_n, pool)
+    completion, chat = CompletionServing(*shared), ChatServing(*shared)
     info = engine.model_info
 
     async def check_key(request: Request) -> None:
-        if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}":
+        # `Bearer` in any case, the key compared in constant time (limits.bearer_token_ok)
+        if api_key is not None and not bearer_token_ok(request.headers.get("authorization", "").encode("latin-1"),
+                                                       api_key):
             raise APIError(401, "invalid or missing API key", "authentication_error")
 
     v1 = [Depends(check_key)]
-    add_tokenize_routes(app, TokenizeServing(engine, tokenizer, served_model_name, metrics, max_waiting), v1)
+    add_tokenize_routes(app, TokenizeServing(*shared), v1)
 
     @app.get("/health")
     async def health() -> JSONResponse:
         if not engine.is_alive():
-            return _error_response(APIError(503, "the engine process is not running", "service_unavailable"))
+            return _error_response(engine_dead("the engine process is gone"))
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")
@@ -141,12 +155,12 @@ def build_app(engine: AsyncEngine, tokenizer: Any, served_model_name: str, api_k
         return P.ModelList(data=[card]).model_dump()
 
     @app.post("/v1/completions", dependencies=v1)
-    async def completions(req: P.CompletionRequest):
-        return await completion.create(req)
+    async def completions(req: P.CompletionRequest, request: Request):
+        return await completion.create(req, request.receive)
 
     @app.post("/v1/chat/completions", dependencies=v1)
-    async def chat_completions(req: P.ChatCompletionRequest):
-        return await chat.create(req)
+    async def chat_completions(req: P.ChatCompletionRequest, request: Request):
+        return await chat.create(req, request.receive)
 
     return app
 

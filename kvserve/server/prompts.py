@@ -8,6 +8,7 @@ body's prompt), so the router can pass a raw body, and import neither torch nor 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -19,19 +20,68 @@ class PromptError(ValueError):
         self.message, self.param = message, param
 
 
-def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
-    """Characters beyond which a text cannot fit in `max_model_len` tokens: no token stands for
+@dataclass(frozen=True)
+class TextLimits:
+    """Characters beyond which prompt text is refused before it is tokenized. No token stands for
     more characters than its vocabulary entry is long (byte-level and SentencePiece entries spell
-    each byte or character at least once). Checked before tokenizing, so an oversized prompt
-    costs nothing."""
-    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
-    return max_model_len * max(longest, 1)
+    each byte or character at least once), so a prompt over `per_prompt` = max_model_len x the
+    longest entry cannot fit in the context, and a request's prompts over `per_request` = the KV
+    cache's tokens x the longest entry could not all be held at once. An oversized request costs
+    nothing: neither the tokenizer's time nor its memory."""
+
+    per_prompt: int
+    per_request: int
 
 
-def check_prompt_chars(n: int, max_chars: int | None, param: str) -> None:
-    if max_chars is not None and n > max_chars:
-        raise PromptError(f"{param} is {n} characters long; no text over {max_chars} characters fits in the "
-                          "model's context (max-model-len tokens)", param)
+def text_limits(tokenizer: Any, max_model_len: int, kv_capacity_tokens: int) -> TextLimits:
+    longest = max(max((len(t) for t in tokenizer.get_vocab()), default=1), 1)
+    return TextLimits(max_model_len * longest, max(kv_capacity_tokens, max_model_len) * longest)
+
+
+def unpaired_surrogate(value: Any) -> str | None:
+    """Where a JSON value holds a string with an unpaired surrogate ("\\ud800": valid in JSON and in
+    a Python str, but not Unicode, so no tokenizer or UTF-8 encoder takes it): "" for the value
+    itself, "[1]" or ".key" inside it; None if nowhere."""
+    if type(value) is str:
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return ""
+        return None
+    if type(value) is list:
+        if set(map(type, value)) <= _NOT_TEXT:  # token ids: nothing to look at
+            return None
+        items: Any = enumerate(value)
+    elif type(value) is dict:
+        if any(unpaired_surrogate(k) is not None for k in value):
+            return " (a key)"
+        items = value.items()
+    else:
+        return None
+    for k, v in items:
+        where = unpaired_surrogate(v)
+        if where is not None:
+            return (f"[{k}]" if isinstance(k, int) else f".{k}") + where
+    return None
+
+
+_NOT_TEXT = frozenset({int, float, bool, type(None)})
+
+
+def check_prompt_text(texts: list[str], names: list[str], limits: TextLimits | None, field: str) -> None:
+    """The one check of prompt text before it is tokenized (completions, chat, /tokenize, the router):
+    valid Unicode, and within `limits` each and together; errors name the prompt (`names`)."""
+    for text, name in zip(texts, names):
+        if limits is not None and len(text) > limits.per_prompt:
+            raise PromptError(f"{name} is {len(text)} characters long; no text over {limits.per_prompt} characters "
+                              "fits in the model's context (max-model-len tokens)", name)
+    total = sum(map(len, texts))
+    if limits is not None and total > limits.per_request:
+        raise PromptError(f"the request's prompts are {total} characters together; over {limits.per_request} they "
+                          "cannot fit in the KV cache at once: send fewer or shorter prompts per request", field)
+    for text, name in zip(texts, names):
+        if unpaired_surrogate(text) is not None:
+            raise PromptError(f"{name} contains an unpaired surrogate; text must be valid Unicode", name)
 
 
 def _message_text(content: Any) -> str:
@@ -41,6 +91,8 @@ def _message_text(content: Any) -> str:
                    for p in content):
             raise PromptError("only text content parts are supported", "messages")
         return "".join(p["text"] for p in content)
+    if content is not None and not isinstance(content, str):
+        raise PromptError("a message's content must be a string or a list of text parts", "messages")
     return content or ""
 
 
@@ -52,13 +104,13 @@ _RESERVED_TEMPLATE_VARS = frozenset({
     "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], max_chars: int | None = None, *,
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], limits: TextLimits | None = None, *,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
                     add_special_tokens: bool = False,
                     chat_template_kwargs: dict[str, Any] | None = None, as_text: bool = False) -> Any:
     """Token ids of a chat: the model's chat template over the messages, with the generation
     prompt. Messages are dicts with "role" and "content" (str, text parts, or None); their
-    text together may have at most `max_chars` characters (max_prompt_chars).
+    text together is one prompt to `limits` (check_prompt_text).
 
     The defaults are what /v1/chat/completions computes (and the router hashes). /tokenize also
     takes vLLM's other options, with apply_chat_template's meaning: `continue_final_message`
@@ -83,7 +135,9 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], max_chars: i
         role = m.get("role")
         # OpenAI's "developer" role is the system prompt under another name; templates know "system".
         msgs.append({"role": "system" if role == "developer" else role, "content": _message_text(m.get("content"))})
-    check_prompt_chars(sum(len(m["content"]) for m in msgs), max_chars, "messages")
+    texts = [m["content"] for m in msgs]
+    check_prompt_text(texts, [f"messages[{i}].content" for i in range(len(texts))], None, "messages")
+    check_prompt_text(["".join(texts)], ["messages"], limits, "messages")
     if not getattr(tokenizer, "chat_template", None):
         raise PromptError("the model has no chat template; use /v1/completions", "messages")
     try:
@@ -101,22 +155,35 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], max_chars: i
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def completion_prompt_ids(tokenizer: Any, prompt: Any,
-                          max_chars: int | None = None) -> tuple[list[list[int]], list[str | None]]:
-    """Token ids of each prompt of a completion request (a string, a list of strings, token
-    ids, or a list of token id lists), and each prompt's text when it was given as text; a
-    text may have at most `max_chars` characters (max_prompt_chars)."""
-    if isinstance(prompt, str) or (prompt and isinstance(prompt, list) and isinstance(prompt[0], int)):
+def completion_prompts(prompt: Any, limits: TextLimits | None = None) -> list[str | list[int]]:
+    """The prompts of a completion request (a string, a list of strings, token ids, or a list of
+    token id lists), each a text or token ids, their text checked (check_prompt_text)."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt, list) and _is_int(prompt[0])):
         prompt = [prompt]
     if not prompt:
         raise PromptError("prompt must not be empty", "prompt")
     if not isinstance(prompt, list) or not all(
-            isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p)) for p in prompt):
+            isinstance(p, str) or (isinstance(p, list) and all(map(_is_int, p))) for p in prompt):
         # The server's schema rejects these first; a router reading a raw body may meet them.
         raise PromptError("prompt must be a string, a list of strings, a list of token ids "
                           "or a list of lists of token ids", "prompt")
-    for i, p in enumerate(prompt):
-        if isinstance(p, str):
-            check_prompt_chars(len(p), max_chars, "prompt" if len(prompt) == 1 else f"prompt[{i}]")
-    ids = [list(tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p) for p in prompt]
-    return ids, [p if isinstance(p, str) else None for p in prompt]
+    texts = [(p, "prompt" if len(prompt) == 1 else f"prompt[{i}]") for i, p in enumerate(prompt) if isinstance(p, str)]
+    check_prompt_text([t for t, _ in texts], [n for _, n in texts], limits, "prompt")
+    return [p if isinstance(p, str) else list(p) for p in prompt]
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def encode_prompt(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    """A completion prompt's token ids (the tokenizer's special tokens, e.g. BOS, unless told not to)."""
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def completion_prompt_ids(tokenizer: Any, prompt: Any,
+                          limits: TextLimits | None = None) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids of each prompt of a completion request, and its text when given as text."""
+    prompts = completion_prompts(prompt, limits)
+    ids = [encode_prompt(tokenizer, p) if isinstance(p, str) else p for p in prompts]
+    return ids, [p if isinstance(p, str) else None for p in prompts]

@@ -1,22 +1,59 @@
 """Request / response schemas of the OpenAI API subset we serve (pydantic v2).
 
 Requests forbid unknown fields: an OpenAI field we do not implement is refused
-with a 400 naming it rather than silently ignored. Sampling values are only
-type-checked here; their ranges are checked by SamplingParams, whose errors
-name the field.
+with a 400 naming it rather than silently ignored. Types are strict, as the
+OpenAI API defines them: no string -> number or string -> bool coercion, and a
+bool is not a number (`max_tokens: "10"`, `stream: "yes"`, `prompt: [true]`
+are refused); a number where a float is expected may be an integer. Text must
+be valid Unicode (an unpaired surrogate such as "\\ud800" is refused, naming
+the field). Sampling values are only type-checked here; their ranges are
+checked by SamplingParams, whose errors name the field.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator,
+                      field_validator)
+from pydantic_core import PydanticCustomError
+
+from kvserve.server.prompts import unpaired_surrogate
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        """Text the tokenizer, msgpack or a JSON answer would choke on is refused here, by field."""
+        where = unpaired_surrogate(value)
+        if where is not None:
+            at = f" (at {where.strip()})" if where else ""
+            raise PydanticCustomError("invalid_text", "contains an unpaired surrogate{at}; text must be valid Unicode",
+                                      {"at": at})
+        return value
+
+
+def _one_of(what: str) -> WrapValidator:
+    """A union's type error as one message ("must be a string or ..."), not one per member."""
+
+    def check(value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("invalid_type", "must be {what}", {"what": what}) from None
+
+    return WrapValidator(check)
+
+
+PromptInput = Annotated[str | list[str] | list[int] | list[list[int]],
+                        _one_of("a string, a list of strings, a list of token ids or a list of lists of token ids")]
+StopInput = Annotated[str | list[str] | None, _one_of("a string or a list of strings")]
+ContentInput = Annotated[str | list[dict[str, Any]] | None, _one_of("a string or a list of content parts")]
 
 
 class StreamOptions(_Strict):
@@ -40,7 +77,7 @@ class _SamplingFields(_Strict):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: StopInput = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -59,7 +96,7 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: PromptInput
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -68,8 +105,17 @@ class CompletionRequest(_SamplingFields):
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    # Required except for an assistant message (the OpenAI API lets one that made tool calls omit it).
+    content: ContentInput = Field(default=None, validate_default=True)
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, value: Any, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        if value is None and role is not None and role != "assistant":
+            raise PydanticCustomError("missing", "a {role} message needs content", {"role": role})
+        return value
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -1,11 +1,15 @@
 """What every OpenAI endpoint shares: checks, admission, engine streams, SSE, errors.
 
-A request is checked here (model name, SamplingParams, prompt length against the
-context and the KV cache) so a bad request never reaches the engine. Then it is
-admitted: `--max-waiting` bounds the engine requests still waiting for their
-first token, and one over it gets 503 with Retry-After. Streaming responses
-close the engine stream (`aclosing`) when the client leaves, which aborts the
-engine request and frees its KV blocks at once.
+A request is checked here (model name, n against --max-n, SamplingParams, prompt
+text against the context and the KV cache before it is tokenized, token counts
+after) so a bad request never reaches the engine. Prompts are tokenized on the
+tokenizer's thread (tokenizer_pool.py), never on the event loop. Then the request is admitted:
+`--max-waiting` bounds the sequences (each prompt's n samples) still waiting for
+their first token; a request over it alone gets 400, one that does not fit now
+503 with Retry-After. A stream starts only once the engine has taken every
+engine request, so an error the engine finds is a real HTTP status, never a 200
+with the error inside. A client that leaves, streaming or not, closes the engine
+stream (`aclosing`), which aborts the engine request and frees its KV blocks.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,15 +30,24 @@ from kvserve.engine.engine_proc import CompletionDelta, RequestDelta
 from kvserve.sampling_params import SamplingParams
 from kvserve.server import protocol as P
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.prompts import PromptError, chat_prompt_ids, completion_prompt_ids, max_prompt_chars
+from kvserve.server.prompts import (PromptError, TextLimits, chat_prompt_ids, completion_prompts, encode_prompt,
+                                    text_limits)
+from kvserve.server.tokenizer_pool import TokenizerPool
 
 RETRY_AFTER_S = 1
+# A dead engine does not come back in this process; a supervisor restarts the server meanwhile.
+DEAD_RETRY_AFTER_S = 10
+DEFAULT_MAX_N = 16
+# How long a stream waits for the engine to take its request before the status line goes out
+# (the engine reads new requests between steps, which take at most ~0.5 s; see README).
+ACCEPT_TIMEOUT_S = 30.0
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens")
 
 _MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens")
 
 Deltas = AsyncIterator[tuple[int, RequestDelta]]
+Receive = Callable[[], Awaitable[dict]]  # a request's ASGI receive channel
 
 
 def _omitted(req: Any, name: str) -> bool:
@@ -45,6 +58,7 @@ def _omitted(req: Any, name: str) -> bool:
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        message = message.encode("utf-8", "backslashreplace").decode()  # a surrogate echoed from a request
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
 
@@ -61,8 +75,24 @@ def engine_error(e: BaseException) -> APIError:
     if isinstance(e, KVLoadError):
         return APIError(502, str(e), "kv_transfer_error")
     if isinstance(e, EngineDeadError):
-        return APIError(500, f"the engine is not running: {e}", "internal_server_error")
+        return engine_dead(str(e))
     return APIError(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error")
+
+
+def engine_dead(why: str) -> APIError:
+    return APIError(503, f"the engine is not running: {why}", "service_unavailable",
+                    headers={"Retry-After": str(DEAD_RETRY_AFTER_S)})
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+async def until_disconnected(receive: Receive) -> None:
+    """Return when the client closes the connection: once the body is read, the ASGI receive
+    channel has nothing more to give until then (uvicorn answers http.disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def sse(obj: Any) -> str:
@@ -129,18 +159,26 @@ class Serving:
     """Engine access for the endpoints (serving_completion.py, serving_chat.py)."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str, metrics: ServerMetrics,
-                 max_waiting: int) -> None:
+                 max_waiting: int, max_n: int = DEFAULT_MAX_N, pool: TokenizerPool | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics
         self.max_waiting = max_waiting
+        self.max_n = max_n
+        self.pool = pool if pool is not None else TokenizerPool(max_waiting)
         self.info = engine.model_info
 
     @functools.cached_property
-    def max_prompt_chars(self) -> int:
-        """Prompt text longer than this cannot fit in max_model_len tokens: refused untokenized."""
-        return max_prompt_chars(self.tokenizer, self.info.max_model_len)
+    def limits(self) -> TextLimits:
+        """Prompt text beyond these cannot fit in max_model_len tokens, or a request's in the KV
+        cache: refused untokenized."""
+        return text_limits(self.tokenizer, self.info.max_model_len, self.info.num_kv_blocks * self.info.block_size)
+
+    @functools.cached_property
+    def chat_limits(self) -> TextLimits:
+        """A chat is one prompt: the context bounds it (the KV cache's bound is never lower)."""
+        return text_limits(self.tokenizer, self.info.max_model_len, 0)
 
     # ---- checks -------------------------------------------------------------
 
@@ -176,31 +214,67 @@ class Serving:
             known = name in P.CompletionRequest.model_fields or name in P.ChatCompletionRequest.model_fields
             raise APIError(400, str(e), param=name if known else None) from None
 
-    def completion_ids(self, prompt: Any) -> tuple[list[list[int]], list[str | None]]:
-        """Token ids of each prompt of a completion request, and its text when given as text."""
+    def check_sequences(self, num_prompts: int, n: int, field_name: str) -> None:
+        """n within --max-n, and the request's sequences (prompts x n) within --max-waiting: 400 if
+        it could never be admitted, 503 if it cannot be now (checked again when it is sent)."""
+        if n > self.max_n:
+            raise APIError(400, f"n must be at most {self.max_n} (the server's --max-n), got {n}", param="n")
+        seqs = num_prompts * n
+        if seqs > self.max_waiting:
+            raise APIError(400, f"the request has {seqs} sequences ({num_prompts} prompts x n={n}) but the server "
+                           f"admits at most {self.max_waiting} waiting for their first token (--max-waiting "
+                           f"{self.max_waiting}); send fewer per request", param=field_name if num_prompts > 1 else "n")
+        self._check_room(seqs)
+
+    def _check_room(self, seqs: int) -> None:
+        waiting = self.metrics.num_waiting_first_token
+        if waiting + seqs > self.max_waiting:
+            raise APIError(503, f"server overloaded: {waiting} sequences are waiting for their first token "
+                           f"(--max-waiting {self.max_waiting}); retry later", "service_unavailable",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    def completion_prompts(self, prompt: Any) -> list[str | list[int]]:
+        """A completion request's prompts, texts checked (prompts.check_prompt_text), not tokenized."""
         try:
-            return completion_prompt_ids(self.tokenizer, prompt, self.max_prompt_chars)
+            return completion_prompts(prompt, self.limits)
         except PromptError as e:
             raise APIError(400, e.message, param=e.param) from None
 
-    def chat_ids(self, messages: list[P.ChatMessage], **options: Any) -> list[int]:
+    async def encode(self, prompts: list[str | list[int]],
+                     add_special_tokens: bool = True) -> tuple[list[list[int]], list[str | None]]:
+        """Token ids of each prompt and its text when given as text. One tokenizer job per prompt,
+        so a request of many prompts does not hold the tokenizer from the others for long."""
+        ids = [await self.pool.run(encode_prompt, self.tokenizer, p, add_special_tokens) if isinstance(p, str)
+               else p for p in prompts]
+        return ids, [p if isinstance(p, str) else None for p in prompts]
+
+    def chat_ids(self, messages: list[P.ChatMessage], **options: Any) -> Any:
         """Token ids of a chat request's messages (the chat template, with the generation prompt
-        unless `options`, chat_prompt_ids' keywords, say otherwise)."""
+        unless `options`, chat_prompt_ids' keywords, say otherwise). Blocks: the routes call
+        render_chat, which runs it on the tokenizer's thread."""
         try:
-            return chat_prompt_ids(self.tokenizer, [m.model_dump() for m in messages], self.max_prompt_chars,
-                                   **options)
+            return chat_prompt_ids(self.tokenizer, [m.model_dump() for m in messages], self.chat_limits, **options)
         except PromptError as e:
             raise APIError(400, e.message, param=e.param) from None
 
-    def blend_params(self, params: SamplingParams, prompts: list[list[int]], texts: list[str | None],
-                     options: P.BlendOptions | None, field_name: str) -> list[SamplingParams]:
+    async def render_chat(self, messages: list[P.ChatMessage], **options: Any) -> Any:
+        return await self.pool.run(functools.partial(self.chat_ids, messages, **options))
+
+    async def blend_params(self, params: SamplingParams, prompts: list[list[int]], texts: list[str | None],
+                           options: P.BlendOptions | None, field_name: str) -> list[SamplingParams]:
         """Each prompt's SamplingParams: with blending on, its chunks (the request's `blend.chunks`,
-        or the separators in its text) as the token spans the engine takes."""
-        blend = self.info.blend
-        if blend is None:
+        or the separators in its text) as the token spans the engine takes (tokenized on the
+        tokenizer's thread)."""
+        if self.info.blend is None:
             if options is not None:
                 raise APIError(400, "blend needs a server started with --enable-blending", param="blend")
             return [params] * len(prompts)
+        return await self.pool.run(self._blend_params, params, prompts, texts, options, field_name)
+
+    def _blend_params(self, params: SamplingParams, prompts: list[list[int]], texts: list[str | None],
+                      options: P.BlendOptions | None, field_name: str) -> list[SamplingParams]:
+        blend = self.info.blend
+        assert blend is not None
         opts = options.model_dump(exclude_none=True) if options is not None else None
         cfg = BlendConfig(**{k: v for k, v in blend.items() if k != "num_layers"})
         out = []
@@ -214,13 +288,9 @@ class Serving:
                        dataclasses.replace(params, extra_args={**(params.extra_args or {}), "blend": spec}))
         return out
 
-    def chat_text(self, messages: list[P.ChatMessage]) -> str:
+    async def chat_text(self, messages: list[P.ChatMessage]) -> str:
         """The chat prompt as text (what chat_ids tokenizes), where blending finds its chunks."""
-        try:
-            return chat_prompt_ids(self.tokenizer, [m.model_dump() for m in messages], self.max_prompt_chars,
-                                   as_text=True)
-        except PromptError as e:
-            raise APIError(400, e.message, param=e.param) from None
+        return await self.render_chat(messages, as_text=True)
 
     def check_prompt(self, toks: list[int], params: SamplingParams, field_name: str) -> None:
         """The engine's own checks (EngineCore.validate), made before anything is sent to it."""
@@ -243,27 +313,29 @@ class Serving:
     # ---- engine streams -------------------------------------------------------
 
     async def start(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                    cache_salt: str | None) -> Deltas:
-        """Admit the request (503 when over --max-waiting) and return its merged engine stream.
+                    cache_salt: str | None, stream: bool = False) -> Deltas:
+        """Admit the request (503 when its sequences do not fit under --max-waiting) and return its
+        merged engine stream. With `stream`, only once the engine has taken every engine request:
+        one it refuses raises here, before the status line, as its HTTP error.
 
         Admission happens here, in the handler, before any response starts: the count
         goes up in the same step as the check, so a burst cannot slip past the limit.
         """
         if not self.engine.is_alive():
-            raise APIError(500, "the engine is not running", "internal_server_error")
-        gen = self._merged(prompts, params, cache_salt)
-        await anext(gen)  # runs the admission check; raises APIError(503) if refused
+            raise engine_dead("the engine process is gone")
+        gen = self._merged(prompts, params, cache_salt, stream)
+        try:
+            await anext(gen)  # admission (and acceptance); raises APIError if refused
+        except Exception as e:  # noqa: BLE001 - the engine's refusal, as an HTTP status
+            raise engine_error(e) from None
         return gen
 
     async def _merged(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                      cache_salt: str | None) -> AsyncIterator[Any]:
-        """Yields None once admitted, then (prompt index, delta) as they come; closing aborts all."""
-        waiting = self.metrics.num_waiting_first_token
-        if waiting + len(prompts) > self.max_waiting:
-            raise APIError(503, f"server overloaded: {waiting} requests are waiting for their first token "
-                           f"(--max-waiting {self.max_waiting}); retry later", "service_unavailable",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
+                      cache_salt: str | None, confirm: bool) -> AsyncIterator[Any]:
+        """Yields None once admitted (with `confirm`, once the engine has taken every request), then
+        (prompt index, delta) as they come; closing aborts all."""
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)  # one per prompt
+        self._check_room(sum(p.n for p in per_prompt))
         trackers = [self.metrics.track(p.n) for p in per_prompt]
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -282,8 +354,13 @@ class Serving:
 
         tasks: list[asyncio.Task] = []
         try:
-            yield None
+            # A pump sends its request in its first step, and tasks start in the order they are
+            # made: the barrier's query, from a task made after them, reaches the engine after
+            # every request, and its answer comes back after any refusal of one.
             tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+            if confirm:
+                await self._accepted(asyncio.create_task(self.engine.barrier(ACCEPT_TIMEOUT_S)), queue)
+            yield None
             remaining = len(tasks)
             while remaining:
                 i, item = await queue.get()
@@ -299,6 +376,23 @@ class Serving:
             await asyncio.gather(*tasks, return_exceptions=True)
             for t in trackers:
                 t.close()
+
+    @staticmethod
+    async def _accepted(barrier: asyncio.Task, queue: asyncio.Queue) -> None:
+        """Wait for the engine to have read the requests; raise the first refusal among them."""
+        try:
+            await barrier
+        except asyncio.TimeoutError:
+            raise APIError(503, f"the engine did not take the request within {ACCEPT_TIMEOUT_S:g} s; retry later",
+                           "service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        early = []
+        while not queue.empty():
+            early.append(queue.get_nowait())
+        error = next((item for _, item in early if isinstance(item, BaseException)), None)
+        if error is not None:
+            raise error
+        for item in early:
+            queue.put_nowait(item)
 
     async def stream_events(self, deltas: Deltas, acc: Accum, chunk_for: Callable[[int, CompletionDelta], Any],
                             usage_chunk: Callable[[P.Usage], Any] | None) -> AsyncIterator[str]:
@@ -317,12 +411,27 @@ class Serving:
         yield "data: [DONE]\n\n"
 
     @staticmethod
-    async def collect(deltas: Deltas, acc: Accum) -> None:
-        try:
+    async def collect(deltas: Deltas, acc: Accum, receive: Receive | None = None) -> None:
+        """Gather the whole answer. If the client leaves first (`receive`: the request's ASGI receive
+        channel), the engine requests are aborted at once and ClientGone is raised."""
+
+        async def gather() -> None:
             async with contextlib.aclosing(deltas) as it:
                 async for i, d in it:
                     acc.add(i, d)
-        except Exception as e:  # noqa: BLE001
+
+        tasks = [asyncio.ensure_future(gather())]
+        if receive is not None:
+            tasks.append(asyncio.ensure_future(until_disconnected(receive)))
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks[0].cancelled():
+            raise ClientGone()
+        if (e := tasks[0].exception()) is not None:
             raise engine_error(e) from None
 
     # ---- logprob text -----------------------------------------------------------

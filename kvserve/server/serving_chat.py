@@ -8,22 +8,26 @@ from fastapi.responses import StreamingResponse
 
 from kvserve.engine.engine_proc import CompletionDelta
 from kvserve.server import protocol as P
-from kvserve.server.serving import Accum, APIError, Serving
+from kvserve.server.serving import Accum, APIError, Receive, Serving
 
 
 class ChatServing(Serving):
-    async def create(self, req: P.ChatCompletionRequest) -> dict[str, Any] | StreamingResponse:
+    async def create(self, req: P.ChatCompletionRequest,
+                     receive: Receive | None = None) -> dict[str, Any] | StreamingResponse:
+        """The answer; `receive` (the request's ASGI channel) tells when a client waiting for a
+        whole answer leaves, which aborts its engine request."""
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        toks = self.chat_ids(req.messages)
+        self.check_sequences(1, req.n, "messages")
+        toks = await self.render_chat(req.messages)
         params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                       longest_prompt=len(toks))
         self.check_prompt(toks, params, "messages")
-        text = self.chat_text(req.messages) if self.info.blend is not None else None
-        per_prompt = self.blend_params(params, [toks], [text], req.blend, "messages")
-        deltas = await self.start([toks], per_prompt, req.cache_salt)
+        text = await self.chat_text(req.messages) if self.info.blend is not None else None
+        per_prompt = await self.blend_params(params, [toks], [text], req.blend, "messages")
+        deltas = await self.start([toks], per_prompt, req.cache_salt, stream=req.stream)
         acc, rid, k = Accum(req.n), P.new_id("chatcmpl"), req.top_logprobs or 0
         if req.stream:
             started: set[int] = set()
@@ -45,7 +49,7 @@ class ChatServing(Serving):
             usage = usage_chunk if req.stream_options is not None and req.stream_options.include_usage else None
             return StreamingResponse(self.stream_events(deltas, acc, chunk_for, usage),
                                      media_type="text/event-stream")
-        await self.collect(deltas, acc)
+        await self.collect(deltas, acc, receive)
         choices = [P.ChatChoice(index=i, message=P.ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
                                 stop_reason=c.stop_reason,
                                 logprobs=self._logprobs(c.logprobs, k) if req.logprobs else None)

@@ -15,25 +15,30 @@ from fastapi.responses import StreamingResponse
 
 from kvserve.engine.engine_proc import CompletionDelta
 from kvserve.server import protocol as P
-from kvserve.server.serving import Accum, APIError, Deltas, Serving
+from kvserve.server.serving import Accum, APIError, Deltas, Receive, Serving
 
 
 class CompletionServing(Serving):
-    async def create(self, req: P.CompletionRequest) -> dict[str, Any] | StreamingResponse:
+    async def create(self, req: P.CompletionRequest,
+                     receive: Receive | None = None) -> dict[str, Any] | StreamingResponse:
+        """The answer; `receive` (the request's ASGI channel) tells when a client waiting for a
+        whole answer leaves, which aborts its engine requests."""
         self.check_model(req.model)
         if req.suffix is not None:
             raise APIError(400, "suffix is not supported", param="suffix")
         score_only = req.echo and req.max_tokens == 0
         max_tokens = 1 if score_only else req.max_tokens
         prompt_lps = req.logprobs if req.echo and req.logprobs is not None else None
-        prompts, texts = self.completion_ids(req.prompt)
-        if req.kv_transfer_params is not None and len(prompts) > 1:
+        items = self.completion_prompts(req.prompt)
+        if req.kv_transfer_params is not None and len(items) > 1:
             raise APIError(400, "kv_transfer_params takes a single prompt", param="kv_transfer_params")
+        self.check_sequences(len(items), req.n, "prompt")
+        prompts, texts = await self.encode(items)
         params = self.sampling_params(req, max_tokens, req.logprobs, prompt_lps, max(map(len, prompts)))
         for p in prompts:
             self.check_prompt(p, params, "prompt")
-        per_prompt = self.blend_params(params, prompts, texts, req.blend, "prompt")
-        deltas = await self.start(prompts, per_prompt, req.cache_salt)
+        per_prompt = await self.blend_params(params, prompts, texts, req.blend, "prompt")
+        deltas = await self.start(prompts, per_prompt, req.cache_salt, stream=req.stream)
         if score_only:
             deltas = _drop_generated(deltas)
         acc, rid = Accum(req.n), P.new_id("cmpl")
@@ -46,7 +51,7 @@ class CompletionServing(Serving):
             chunk_for = self._chunker(req, rid, echo)
             return StreamingResponse(self.stream_events(deltas, acc, chunk_for, usage),
                                      media_type="text/event-stream")
-        await self.collect(deltas, acc)
+        await self.collect(deltas, acc, receive)
         choices = []
         for idx, c in sorted(acc.choices.items()):
             lps = echo.logprobs(idx, c.logprobs, 0, with_prompt=True) if req.logprobs is not None else None

@@ -8,7 +8,9 @@ continue_final_message (default false; not both true), add_special_tokens (defau
 chat_template_kwargs, which change the ids as transformers' apply_chat_template does; a
 chat_template of the request's own is refused. /detokenize turns {"tokens": [...]} back into
 {"prompt": text}.
-Both need the API key when one is set, like the /v1 routes.
+Both need the API key when one is set, like the /v1 routes. A prompt goes through the same text
+check as the completion endpoints (prompts.check_prompt_text) whatever add_special_tokens says, and
+both routes tokenize on the tokenizer's thread (serving.TokenizerPool), never on the event loop.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import Body, FastAPI
+from fastapi.responses import Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
@@ -24,34 +27,37 @@ from kvserve.server.serving import APIError, Serving
 
 
 class TokenizeServing(Serving):
-    def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def tokenize(self, body: dict[str, Any]) -> Response:
         req = _parse(P.TokenizeChatRequest if "messages" in body else P.TokenizeCompletionRequest, body)
         self.check_model(req.model)
-        toks = self._chat_ids(req) if isinstance(req, P.TokenizeChatRequest) else self._prompt_ids(req)
-        strs = list(self.tokenizer.convert_ids_to_tokens(toks)) if req.return_token_strs else None
-        return P.TokenizeResponse(count=len(toks), max_model_len=self.info.max_model_len, tokens=toks,
-                                  token_strs=strs).model_dump()
+        if isinstance(req, P.TokenizeChatRequest):
+            toks = await self._chat_ids(req)
+        else:  # add_special_tokens true: what /v1/completions does with a text prompt
+            toks = (await self.encode(self.completion_prompts(req.prompt), req.add_special_tokens))[0][0]
+        # Millions of ids are seconds of JSON: written on the tokenizer's thread too.
+        return Response(await self.pool.run(self._answer, toks, bool(req.return_token_strs)),
+                        media_type="application/json")
 
-    def detokenize(self, req: P.DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(self, req: P.DetokenizeRequest) -> dict[str, Any]:
         self.check_model(req.model)
         vocab = self.info.vocab_size
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
-        return P.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens)).model_dump()
+        return P.DetokenizeResponse(prompt=await self.pool.run(self.tokenizer.decode, req.tokens)).model_dump()
 
-    def _prompt_ids(self, req: P.TokenizeCompletionRequest) -> list[int]:
-        if req.add_special_tokens:  # what /v1/completions does with a text prompt
-            return self.completion_ids(req.prompt)[0][0]
-        return list(self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"])
+    def _answer(self, toks: list[int], with_strs: bool) -> bytes:
+        strs = list(self.tokenizer.convert_ids_to_tokens(toks)) if with_strs else None
+        return P.TokenizeResponse(count=len(toks), max_model_len=self.info.max_model_len, tokens=toks,
+                                  token_strs=strs).model_dump_json().encode()
 
-    def _chat_ids(self, req: P.TokenizeChatRequest) -> list[int]:
+    async def _chat_ids(self, req: P.TokenizeChatRequest) -> list[int]:
         if req.chat_template is not None:
             # A template is code run by the server; vLLM too refuses one from a request unless
             # started with --trust-request-chat-template.
             raise APIError(400, "chat_template is not supported: /tokenize renders the model's own chat "
                            "template (chat_template_kwargs can pass it variables)", param="chat_template")
-        return self.chat_ids(req.messages, add_generation_prompt=req.add_generation_prompt,
+        return await self.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
                              continue_final_message=req.continue_final_message,
                              add_special_tokens=req.add_special_tokens, chat_template_kwargs=req.chat_template_kwargs)
 
@@ -68,11 +74,11 @@ def add_tokenize_routes(app: FastAPI, serving: TokenizeServing, dependencies: li
     """POST /tokenize and /detokenize; `dependencies` checks the API key."""
 
     @app.post("/tokenize", dependencies=dependencies)
-    async def tokenize(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
+    async def tokenize(body: dict[str, Any] = Body(...)) -> Response:
         # Chat or prompt is decided by the "messages" key, so a bad body's 400 names the fields
         # of the one the client meant, not those of both.
-        return serving.tokenize(body)
+        return await serving.tokenize(body)
 
     @app.post("/detokenize", dependencies=dependencies)
     async def detokenize(req: P.DetokenizeRequest) -> dict[str, Any]:
-        return serving.detokenize(req)
+        return await serving.detokenize(req)

@@ -62,13 +62,13 @@ def test_engine_death_fails_open_streams_and_health(model_dir, tmp_path):
         for ev in events:
             rest = list(ev)  # must end, not hang
             errors = [e for e in rest if isinstance(e, dict) and "error" in e]
-            assert errors and errors[0]["error"]["code"] == 500 and rest[-1] == "[DONE]"
+            assert errors and errors[0]["error"]["code"] == 503 and rest[-1] == "[DONE]"
         assert time.monotonic() - t0 < 10  # the liveness check runs every 0.5 s; a hang would be 60 s
         for conn, _ in streams:
             conn.close()
         assert http_request("GET", f"{srv.base}/health")[0] == 503
-        status, body, _ = http_request("POST", f"{srv.v1}/completions", {"model": MODEL, "prompt": PROMPT})
-        assert status == 500 and "engine" in json.loads(body)["error"]["message"]
+        status, body, headers = http_request("POST", f"{srv.v1}/completions", {"model": MODEL, "prompt": PROMPT})
+        assert status == 503 and "engine" in json.loads(body)["error"]["message"] and "retry-after" in headers
         assert srv.proc.poll() is None  # the server itself stays up and answers
 
 
