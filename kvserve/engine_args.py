@@ -184,7 +184,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("kv_transfer_config", "kv_transfer.transfer_config", None,
          "JSON in vLLM's shape, e.g. '{\"kv_connector\":\"PDConnector\",\"kv_role\":\"kv_producer\",'"
          "'\"kv_ip\":\"127.0.0.1\",\"kv_port\":14579,\"kv_connector_extra_config\":{\"transport\":\"auto\"}}'; "
-         "transport zmq (TCP), shm (shared memory, same host) or auto", group="kv_transfer",
+         "transport zmq (TCP), shm (shared memory, same host) or auto; auth_key_file: the deployment's shared "
+         "key (at least 16 bytes; needed with --kv-role; auth_key takes it inline); peers: the prefill engines "
+         "a decode engine may fetch from, e.g. [\"10.0.0.5:14579\"]", group="kv_transfer",
          convert=parse_json_object, metavar="JSON"),
     Flag("kv_load_failure_policy", "kv_transfer.load_failure_policy", None,
          "when K/V cannot be pulled from the prefill engine: recompute (prefill here; default) or fail "
