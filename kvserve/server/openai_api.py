@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -33,6 +33,22 @@ from kvserve.server.serving_tokenize import TokenizeServing, add_tokenize_routes
 from kvserve.server.tokenizer_pool import TokenizerBusy, TokenizerPool
 
 logger = logging.getLogger(__name__)
+
+
+# What the API routes may answer besides 200, all in the OpenAI error shape (documented in /openapi.json).
+ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": P.ErrorResponse, "description": what} for code, what in (
+    (400, "Invalid request; the error's param names the field"),
+    (401, "Missing or wrong API key (--api-key)"),
+    (404, "Unknown model"),
+    (413, "Body over --max-request-bytes"),
+    (500, "Internal error"),
+    (502, "K/V could not be fetched from a prefill engine"),
+    (503, "Overloaded (--max-waiting), tokenizer busy, or the engine is not running; see Retry-After"))}
+
+
+def _with_stream(model: type) -> dict[int | str, dict[str, Any]]:
+    """ERRORS, and a 200 that is `model` as JSON, or with "stream": true, server-sent events."""
+    return {**ERRORS, 200: {"model": model, "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 def _error_response(err: APIError) -> JSONResponse:
@@ -113,9 +129,9 @@ def build_app(engine: AsyncEngine, tokenizer: Any, served_model_name: str, api_k
             raise APIError(401, "invalid or missing API key", "authentication_error")
 
     v1 = [Depends(check_key)]
-    add_tokenize_routes(app, TokenizeServing(*shared), v1)
+    add_tokenize_routes(app, TokenizeServing(*shared), v1, ERRORS)
 
-    @app.get("/health")
+    @app.get("/health", responses={503: ERRORS[503]})
     async def health() -> JSONResponse:
         if not engine.is_alive():
             return _error_response(engine_dead("the engine process is gone"))
@@ -125,18 +141,18 @@ def build_app(engine: AsyncEngine, tokenizer: Any, served_model_name: str, api_k
     async def version() -> dict:
         return {"version": kvserve.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
         return Response(await metrics.render(engine), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/kv_cache/stats", dependencies=v1)
+    @app.get("/kv_cache/stats", dependencies=v1, responses=ERRORS)
     async def kv_cache_stats() -> dict:
         """KV cache and KV tier usage and counters (kvserve extension). A busy engine's latest
         snapshot when it cannot answer at once; `stats_age_s` then says how old it is."""
         s = await _ask_engine(engine.stats())
         return {k: v for k, v in s.items() if k.startswith(("kv_", "prefix_cache_", "stats_age_s"))}
 
-    @app.post("/kv_cache/clear", dependencies=v1)
+    @app.post("/kv_cache/clear", dependencies=v1, responses=ERRORS)
     async def kv_cache_clear() -> dict:
         """Empty the prefix cache and every KV tier (kvserve extension)."""
         return {"cleared": await _ask_engine(engine.clear_kv_cache())}
@@ -149,16 +165,16 @@ def build_app(engine: AsyncEngine, tokenizer: Any, served_model_name: str, api_k
         return {"enabled": bool(ev), **ev, "block_size": info.block_size, "model": served_model_name,
                 "model_path": info.model_path, "max_model_len": info.max_model_len}
 
-    @app.get("/v1/models", dependencies=v1)
+    @app.get("/v1/models", dependencies=v1, responses=ERRORS, response_model=P.ModelList)
     async def models() -> dict:
         card = P.ModelCard(id=served_model_name, root=info.model_path, max_model_len=info.max_model_len)
         return P.ModelList(data=[card]).model_dump()
 
-    @app.post("/v1/completions", dependencies=v1)
+    @app.post("/v1/completions", dependencies=v1, responses=_with_stream(P.CompletionResponse))
     async def completions(req: P.CompletionRequest, request: Request):
         return await completion.create(req, request.receive)
 
-    @app.post("/v1/chat/completions", dependencies=v1)
+    @app.post("/v1/chat/completions", dependencies=v1, responses=_with_stream(P.ChatCompletionResponse))
     async def chat_completions(req: P.ChatCompletionRequest, request: Request):
         return await chat.create(req, request.receive)
 
