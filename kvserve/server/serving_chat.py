@@ -8,7 +8,8 @@ from fastapi.responses import StreamingResponse
 
 from kvserve.engine.engine_proc import CompletionDelta
 from kvserve.server import protocol as P
-from kvserve.server.serving import Accum, APIError, Receive, Serving
+from kvserve.server.accum import Accum
+from kvserve.server.serving import APIError, Receive, Serving
 
 
 class ChatServing(Serving):

@@ -15,7 +15,8 @@ from fastapi.responses import StreamingResponse
 
 from kvserve.engine.engine_proc import CompletionDelta
 from kvserve.server import protocol as P
-from kvserve.server.serving import Accum, APIError, Deltas, Receive, Serving
+from kvserve.server.accum import Accum
+from kvserve.server.serving import APIError, Deltas, Receive, Serving
 
 
 class CompletionServing(Serving):
