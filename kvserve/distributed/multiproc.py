@@ -14,7 +14,6 @@ signal, and a check of the parent's pid while idle), so none is orphaned.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import dataclasses
 import itertools
 import logging
@@ -24,7 +23,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import traceback
 from concurrent.futures import Future
@@ -36,26 +34,18 @@ from kvserve.config import EngineConfig
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.distributed.executor import Executor, WorkerError
 from kvserve.fast_exit import exit_process
+from kvserve.lifetime import die_with_parent, make_temp_dir
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0
 _POLL_MS = 100
-_PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the process that started it exits."""
-    try:
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
 
 
 def _describe_exit(code: int | None) -> str:
@@ -69,15 +59,17 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def _worker_main(config: EngineConfig, num_blocks: int, calibration: list[int] | None, eos: int | None,
-                 init_method: str, in_addr: str, out_addr: str) -> None:
-    """A rank's process: build the Worker, then run calls until 'shutdown' or the engine is gone."""
-    _die_with_parent()
+def _worker_main(parent: int, config: EngineConfig, num_blocks: int, calibration: list[int] | None,
+                 eos: int | None, init_method: str, in_addr: str, out_addr: str) -> None:
+    """A rank's process: build the Worker, then run calls until 'shutdown' or the engine (`parent`)
+    is gone. Its death SIGKILLs the rank: a rank holds nothing to save, and may be stuck in a
+    collective with no Python running to handle a gentler signal."""
+    if not die_with_parent(signal.SIGKILL, parent):
+        return
     # Ctrl-C and SIGTERM to the process group reach the ranks too; the engine decides when they
     # stop, after it has read the KV it saves at shutdown from them.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    parent = os.getppid()
     rank = config.parallel.rank
     ctx = zmq.Context()
     inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -131,7 +123,7 @@ class MultiprocExecutor(Executor):
         super().__init__(config)
         self.world = config.parallel.world_size
         self._ctx = zmq.Context()
-        ipc = tempfile.mkdtemp(prefix="kvserve-mp-")
+        ipc = make_temp_dir("kvserve-mp-")
         self._ipc_dir = ipc
         self._results = self._ctx.socket(zmq.PULL)
         self._results.bind(f"ipc://{ipc}/results")
@@ -151,7 +143,7 @@ class MultiprocExecutor(Executor):
         for r in range(self.world):
             # A fresh interpreter running this module, not multiprocessing's spawn: that would
             # re-import the user's __main__, and a script without a main guard would start again.
-            args = (config.for_rank(r), num_blocks, kv_calibration_ids, eos_token_id, init_method,
+            args = (os.getpid(), config.for_rank(r), num_blocks, kv_calibration_ids, eos_token_id, init_method,
                     f"ipc://{ipc}/rank{r}", f"ipc://{ipc}/results")
             p = subprocess.Popen([sys.executable, "-m", "kvserve.distributed.multiproc"], stdin=subprocess.PIPE)
             p.stdin.write(pickle.dumps(args))
