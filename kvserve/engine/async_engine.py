@@ -26,7 +26,6 @@ import logging
 import multiprocessing
 import shutil
 import signal
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -39,6 +38,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine_proc import (ABORT, ADD, CLEAR_CACHE, ERROR, FATAL, OUTPUTS, READY, SHUTDOWN, SNAPSHOT,
                                         STATS, STATS_RESULT, STOPPED, AbortMsg, AddMsg, ModelInfo, RequestDelta,
                                         ShutdownMsg, StatsMsg, decode, encode, params_to_wire, run_engine_process)
+from kvserve.lifetime import make_temp_dir
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class AsyncEngine:
             config = EngineConfig.from_kwargs(**engine_kwargs)
         elif engine_kwargs:
             raise ValueError(f"pass either config or engine keyword arguments, not both (got {sorted(engine_kwargs)})")
-        tmpdir = tempfile.mkdtemp(prefix="kvserve-")
+        tmpdir = make_temp_dir("kvserve-")  # removed by _shutdown_sync, or at a later start if we are killed
         input_addr, output_addr = f"ipc://{tmpdir}/input", f"ipc://{tmpdir}/output"
         sync_ctx = zmq.Context()
         inp = sync_ctx.socket(zmq.PUSH)

@@ -29,7 +29,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from typing import Any
 import uvicorn
 
 from kvserve.config import parse_size
+from kvserve.lifetime import make_temp_dir
 from kvserve.router.pd import (
     DEFAULT_LOCAL_BUDGET_MS,
     DEFAULT_MAX_LOCAL_PREFILL_LENGTH,
@@ -305,7 +305,7 @@ def launch_roles(args: argparse.Namespace) -> list[str | None]:
 class ReplicaLauncher:
     def __init__(self, roles: list[str | None], engine_args: list[str], api_key: str | None = None) -> None:
         self.roles, self.engine_args, self.api_key = roles, engine_args, api_key
-        self.log_dir = Path(tempfile.mkdtemp(prefix="kvserve-router-"))
+        self.log_dir = Path(make_temp_dir("kvserve-router-"))
         self.replicas: list[Launched] = []
 
     def start(self) -> list[Launched]:
