@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import secrets
@@ -38,7 +37,7 @@ from typing import Any
 import uvicorn
 
 from kvserve.config import parse_size
-from kvserve.lifetime import make_temp_dir
+from kvserve.lifetime import die_with_parent, keep_temp_dir, make_temp_dir
 from kvserve.router.pd import (
     DEFAULT_LOCAL_BUDGET_MS,
     DEFAULT_MAX_LOCAL_PREFILL_LENGTH,
@@ -242,10 +241,12 @@ def split_cores(n: int) -> list[list[int]]:
 
 
 def _child_setup(cores: list[int]) -> Any:
-    def setup() -> None:
+    router = os.getpid()
+
+    def setup() -> None:  # in the forked child, before exec
         os.sched_setaffinity(0, cores)
-        with contextlib.suppress(Exception):  # Linux: die with the router even if it is SIGKILLed
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if not die_with_parent(signal.SIGTERM, router):  # a replica stops with the router, even a SIGKILLed one
+            os._exit(0)  # the router died before the request: nobody is left to serve for
     return setup
 
 
@@ -438,4 +439,6 @@ def cmd_router(args: argparse.Namespace) -> int:
             launcher.stop()
             if code == 0:  # the replicas' logs matter only when something went wrong
                 shutil.rmtree(launcher.log_dir, ignore_errors=True)
+            else:  # kept for the user: the next kvserve start must not sweep them as a dead owner's
+                keep_temp_dir(str(launcher.log_dir))
     return code
