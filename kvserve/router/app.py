@@ -108,6 +108,8 @@ def _error(status: int, message: str, type_: str, headers: dict[str, str] | None
 
 
 OPEN_METRICS_PATHS = ("/health", "/metrics")  # --allow-unauthenticated-metrics: for probes and scrapers
+# The dashboard's page holds no data: it asks for the key and sends it on the fetches that read any.
+OPEN_PATHS = ("/dashboard",)
 
 
 def build_app(router: Router, api_key: str | None = None, open_metrics: bool = False,
@@ -118,7 +120,7 @@ def build_app(router: Router, api_key: str | None = None, open_metrics: bool = F
     replicas, proxy = router.replicas, router.proxy
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     if api_key is not None:  # added last, so outermost: no body is read before the key is checked
-        app.add_middleware(APIKeyCheck, key=api_key, open_paths=OPEN_METRICS_PATHS if open_metrics else ())
+        app.add_middleware(APIKeyCheck, key=api_key, open_paths=OPEN_PATHS + (OPEN_METRICS_PATHS if open_metrics else ()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

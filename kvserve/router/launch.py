@@ -36,7 +36,6 @@ from typing import Any
 
 import uvicorn
 
-from kvserve.config import parse_size
 from kvserve.lifetime import die_with_parent, keep_temp_dir, make_temp_dir
 from kvserve.router.pd import (
     DEFAULT_LOCAL_BUDGET_MS,
@@ -47,12 +46,7 @@ from kvserve.router.pd import (
 )
 from kvserve.router.policies import load_policies
 from kvserve.router.replicas import DEFAULT_HEALTH_INTERVAL
-from kvserve.server.limits import (
-    DEFAULT_BODY_TIMEOUT_S,
-    DEFAULT_HEADER_TIMEOUT_S,
-    DEFAULT_MAX_REQUEST_BYTES,
-    h11_with_header_timeout,
-)
+from kvserve.server.limits import add_http_limit_args, check_http_limit_args, h11_with_header_timeout
 
 DEFAULT_LAUNCH_TIMEOUT = 300.0
 STOP_TIMEOUT = 15.0
@@ -108,26 +102,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="the key the router sends the replicas (its probes, and forwarded requests in place of "
                         "the client's key); given to --launch replicas (default: --api-key; with neither, a "
                         "client's Authorization header is forwarded unchanged)")
-    p.add_argument("--max-request-bytes", type=_size, default=DEFAULT_MAX_REQUEST_BYTES, metavar="SIZE",
-                   help="larger request bodies get 413 before they are read (default 16MiB); prompts longer than "
-                        "the replicas' max-model-len can be are refused before they are tokenized")
-    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
-                   help="close a connection whose request headers are not complete this long after it opened "
-                        f"or after its last response (default {DEFAULT_HEADER_TIMEOUT_S:g})")
-    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="SECONDS",
-                   help="answer 408 and close a connection whose request body is not complete this long after "
-                        f"its headers (default {DEFAULT_BODY_TIMEOUT_S:g})")
+    add_http_limit_args(p, "the replicas' max-model-len")
     p.add_argument("--launch-timeout", type=float, default=DEFAULT_LAUNCH_TIMEOUT, metavar="SECONDS",
                    help=f"how long --launch waits for a replica to answer /health (default {DEFAULT_LAUNCH_TIMEOUT:g})")
     p.add_argument("engine_args", nargs=argparse.REMAINDER, metavar="-- ENGINE_FLAGS",
                    help="flags for the `kvserve serve` replicas of --launch or --launch-pd")
-
-
-def _size(value: str) -> int:
-    try:
-        return parse_size(value, "--max-request-bytes")
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def upstream_api_key(args: argparse.Namespace) -> str | None:
@@ -173,13 +152,7 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         raise ValueError(f"--health-interval must be > 0 seconds, got {args.health_interval}")
     if args.launch_timeout <= 0:
         raise ValueError(f"--launch-timeout must be > 0 seconds, got {args.launch_timeout}")
-    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
-        if not value > 0:
-            raise ValueError(f"{flag} must be > 0 seconds, got {value}")
-    for flag, key in (("--api-key", args.api_key), ("--upstream-api-key", args.upstream_api_key)):
-        if key is not None and (not key or not key.isascii() or not key.isprintable() or " " in key):
-            raise ValueError(f"{flag} must be a non-empty printable ASCII key without spaces (it travels in an "
-                             "Authorization header)")
+    check_http_limit_args(args, ("--api-key", "--upstream-api-key"))
     if args.allow_unauthenticated_metrics and args.api_key is None:
         raise ValueError("--allow-unauthenticated-metrics leaves /health and /metrics open when --api-key "
                          "protects the rest; without --api-key every route is open already")

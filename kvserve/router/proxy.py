@@ -26,7 +26,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from kvserve.router.policy import Decision, Policy, RouteRequest
 from kvserve.router.replicas import Lease, Replica, ReplicaSet
 from kvserve.server import prompts
-from kvserve.server.limits import prompt_texts
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +163,7 @@ def request_text(kind: str, body: dict[str, Any]) -> str:
 def check_prompt_text(kind: str, body: dict[str, Any], limits: prompts.TextLimits) -> None:
     """The server's check of prompt text (PromptError, a 400 naming the field: longer than any
     context, or not Unicode), on the raw body before anything is tokenized."""
-    if texts := prompt_texts(kind, body):
+    if texts := prompts.prompt_texts(kind, body):
         prompts.check_prompt_text([t for t, _ in texts], [name for _, name in texts], limits,
                                   "messages" if kind == "chat" else "prompt")
 

@@ -25,9 +25,9 @@ from typing import Any
 
 import uvicorn
 
-from kvserve.config import EngineConfig, parse_size
+from kvserve.config import EngineConfig
 from kvserve.engine_args import EXIT_BAD_INPUT, add_engine_args
-from kvserve.server.limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, h11_with_header_timeout
+from kvserve.server.limits import add_http_limit_args, check_http_limit_args, h11_with_header_timeout
 
 DEFAULT_MAX_WAITING = 1024
 DEFAULT_MAX_N = 16  # serving.DEFAULT_MAX_N; not imported, so --help does not load the server
@@ -49,19 +49,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
                    help=f"the largest n (samples per prompt) a request may ask for; more gets 400 "
                         f"(default {DEFAULT_MAX_N})")
-    g.add_argument("--max-request-bytes", type=_size, default=DEFAULT_MAX_REQUEST_BYTES, metavar="SIZE",
-                   help="larger request bodies get 413 before they are read (default 16MiB); prompts longer "
-                        "than max-model-len tokens can be are refused before they are tokenized")
-    g.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
-                   help="close a connection whose request headers are not complete this long after it "
-                        f"opened or after its last response (default {DEFAULT_HEADER_TIMEOUT_S:g})")
-
-
-def _size(value: str) -> int:
-    try:
-        return parse_size(value, "--max-request-bytes")
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    add_http_limit_args(g, "max-model-len tokens")
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -73,8 +61,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-waiting must be at least 1, got {args.max_waiting}")
     if args.max_n < 1:
         raise ValueError(f"--max-n must be at least 1, got {args.max_n}")
-    if not args.header_timeout > 0:
-        raise ValueError(f"--header-timeout must be positive, got {args.header_timeout}")
+    check_http_limit_args(args)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
 
@@ -114,7 +101,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
         app = build_app(engine, tokenizer, name, api_key=args.api_key, max_waiting=args.max_waiting,
                         max_request_bytes=args.max_request_bytes, max_n=args.max_n)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                timeout_graceful_shutdown=5, http=h11_with_header_timeout(args.header_timeout))
+                                timeout_graceful_shutdown=5, http=h11_with_header_timeout(args.header_timeout, args.body_timeout))
         server = _Server(config, engine)
         print(f"kvserve: serving {name!r} ({info.model_path}) at http://{args.host}:{args.port}/v1\n"
               f"kvserve: try  curl http://{args.host}:{args.port}/v1/chat/completions -H "

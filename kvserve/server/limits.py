@@ -4,12 +4,13 @@ further), connections that never finish sending their headers (--header-timeout:
 idle sockets cannot pile up file descriptors) or their body (--body-timeout: 408, then closed).
 
 The prompt's own bound (characters that cannot fit in max-model-len tokens) is checked where
-prompts are built, in server/prompts.py (check_prompt_text); prompt_texts below finds the text
-it checks in a raw request body, for the router, which checks before tokenizing.
+prompts are built, in server/prompts.py (check_prompt_text; prompt_texts finds that text in a raw
+request body, for the router, which checks before tokenizing).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hmac
 import json
@@ -22,6 +23,41 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024**2
 DEFAULT_HEADER_TIMEOUT_S = 30.0
 DEFAULT_BODY_TIMEOUT_S = 60.0
+
+
+def add_http_limit_args(p: Any, prompts_bound_by: str) -> None:
+    """The flags above, for `kvserve serve` and `kvserve router` alike (`p`: a parser or group)."""
+    p.add_argument("--max-request-bytes", type=_size, default=DEFAULT_MAX_REQUEST_BYTES, metavar="SIZE",
+                   help="larger request bodies get 413 before they are read (default 16MiB); prompts longer "
+                        f"than {prompts_bound_by} can be are refused before they are tokenized")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
+                   help="close a connection whose request headers are not complete this long after it opened "
+                        f"or after its last response (default {DEFAULT_HEADER_TIMEOUT_S:g})")
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="SECONDS",
+                   help="answer 408 and close a connection whose request body is not complete this long after "
+                        f"its headers (default {DEFAULT_BODY_TIMEOUT_S:g})")
+
+
+def _size(value: str) -> int:
+    from kvserve.config import parse_size
+
+    try:
+        return parse_size(value, "--max-request-bytes")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def check_http_limit_args(args: argparse.Namespace, key_flags: Collection[str] = ("--api-key",)) -> None:
+    """ValueError naming the flag: a timeout that is not positive, or a key (each of `key_flags`)
+    that cannot travel in an Authorization header (an empty one would let `Bearer ` through)."""
+    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+        if not value > 0:
+            raise ValueError(f"{flag} must be > 0 seconds, got {value}")
+    for flag in key_flags:
+        key = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if key is not None and (not key or not key.isascii() or not key.isprintable() or " " in key):
+            raise ValueError(f"{flag} must be a non-empty printable ASCII key without spaces (it travels in an "
+                             "Authorization header)")
 
 
 def error_json(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None) -> bytes:
@@ -109,34 +145,6 @@ class BodyLimit:
     async def _refuse(self, send: Any, what: str) -> None:
         message = f"the request body {what} than the server accepts: {self.max_bytes} bytes (--max-request-bytes)"
         await send_error(send, 413, error_json(413, message))
-
-
-def prompt_texts(kind: str, body: dict[str, Any]) -> list[tuple[str, str]] | None:
-    """The prompt text of a raw request body ("chat" or "completion") as the server's text check
-    (prompts.check_prompt_text) sees it, each with the name its errors give: a chat's message
-    contents joined ("messages"), each text prompt of a completion ("prompt", or "prompt[i]" in a
-    list of several). None when the prompt has another shape: the server refuses that first."""
-    if kind == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            return None
-        texts = []
-        for m in messages:
-            content = m.get("content")
-            if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                                 and isinstance(p.get("text"), str) for p in content):
-                texts.append("".join(p["text"] for p in content))
-            elif isinstance(content, str) or content is None:
-                texts.append(content or "")
-            else:
-                return None
-        return [("".join(texts), "messages")]
-    prompt = body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list))):
-        prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt or not all(isinstance(p, (str, list)) for p in prompt):
-        return None
-    return [(p, "prompt" if len(prompt) == 1 else f"prompt[{i}]") for i, p in enumerate(prompt) if isinstance(p, str)]
 
 
 def h11_with_header_timeout(timeout: float, body_timeout: float | None = DEFAULT_BODY_TIMEOUT_S) -> type[H11Protocol]:

@@ -14,7 +14,7 @@ import logging
 import sys
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -24,7 +24,7 @@ import kvserve
 from kvserve.engine.async_engine import AsyncEngine, EngineBusyError, EngineDeadError
 from kvserve.server import protocol as P
 from kvserve.server.dashboard import add_dashboard
-from kvserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, bearer_token_ok
+from kvserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, BodyLimit
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.serving import DEFAULT_MAX_N, RETRY_AFTER_S, APIError, ClientGone, engine_dead
 from kvserve.server.serving_chat import ChatServing
@@ -109,6 +109,12 @@ async def _ask_engine(query: Any) -> Any:
         raise APIError(503, f"{e}; try again", "service_unavailable", headers={"Retry-After": "1"}) from None
 
 
+# What answers without the API key: probes, the metrics a scraper reads, the page that shows
+# them, where KV events are published (addresses, not data), and the API's own description.
+OPEN_PATHS = ("/health", "/version", "/metrics", "/kv_events", "/dashboard", "/openapi.json", "/docs",
+              "/docs/oauth2-redirect", "/redoc")
+
+
 def build_app(engine: AsyncEngine, tokenizer: Any, served_model_name: str, api_key: str | None = None,
               max_waiting: int = 1024, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               max_n: int = DEFAULT_MAX_N) -> FastAPI:
@@ -122,14 +128,9 @@ def build_app(engine: AsyncEngine, tokenizer: Any, served_model_name: str, api_k
     completion, chat = CompletionServing(*shared), ChatServing(*shared)
     info = engine.model_info
 
-    async def check_key(request: Request) -> None:
-        # `Bearer` in any case, the key compared in constant time (limits.bearer_token_ok)
-        if api_key is not None and not bearer_token_ok(request.headers.get("authorization", "").encode("latin-1"),
-                                                       api_key):
-            raise APIError(401, "invalid or missing API key", "authentication_error")
-
-    v1 = [Depends(check_key)]
-    add_tokenize_routes(app, TokenizeServing(*shared), v1, ERRORS)
+    if api_key is not None:  # added last, so outermost: a request without the key is answered from its headers
+        app.add_middleware(APIKeyCheck, key=api_key, open_paths=OPEN_PATHS)
+    add_tokenize_routes(app, TokenizeServing(*shared), ERRORS)
 
     @app.get("/health", responses={503: ERRORS[503]})
     async def health() -> JSONResponse:
@@ -145,14 +146,14 @@ def build_app(engine: AsyncEngine, tokenizer: Any, served_model_name: str, api_k
     async def prometheus() -> Response:
         return Response(await metrics.render(engine), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/kv_cache/stats", dependencies=v1, responses=ERRORS)
+    @app.get("/kv_cache/stats", responses=ERRORS)
     async def kv_cache_stats() -> dict:
         """KV cache and KV tier usage and counters (kvserve extension). A busy engine's latest
         snapshot when it cannot answer at once; `stats_age_s` then says how old it is."""
         s = await _ask_engine(engine.stats())
         return {k: v for k, v in s.items() if k.startswith(("kv_", "prefix_cache_", "stats_age_s"))}
 
-    @app.post("/kv_cache/clear", dependencies=v1, responses=ERRORS)
+    @app.post("/kv_cache/clear", responses=ERRORS)
     async def kv_cache_clear() -> dict:
         """Empty the prefix cache and every KV tier (kvserve extension)."""
         return {"cleared": await _ask_engine(engine.clear_kv_cache())}
@@ -165,16 +166,16 @@ def build_app(engine: AsyncEngine, tokenizer: Any, served_model_name: str, api_k
         return {"enabled": bool(ev), **ev, "block_size": info.block_size, "model": served_model_name,
                 "model_path": info.model_path, "max_model_len": info.max_model_len}
 
-    @app.get("/v1/models", dependencies=v1, responses=ERRORS, response_model=P.ModelList)
+    @app.get("/v1/models", responses=ERRORS, response_model=P.ModelList)
     async def models() -> dict:
         card = P.ModelCard(id=served_model_name, root=info.model_path, max_model_len=info.max_model_len)
         return P.ModelList(data=[card]).model_dump()
 
-    @app.post("/v1/completions", dependencies=v1, responses=_with_stream(P.CompletionResponse))
+    @app.post("/v1/completions", responses=_with_stream(P.CompletionResponse))
     async def completions(req: P.CompletionRequest, request: Request):
         return await completion.create(req, request.receive)
 
-    @app.post("/v1/chat/completions", dependencies=v1, responses=_with_stream(P.ChatCompletionResponse))
+    @app.post("/v1/chat/completions", responses=_with_stream(P.ChatCompletionResponse))
     async def chat_completions(req: P.ChatCompletionRequest, request: Request):
         return await chat.create(req, request.receive)
 

@@ -167,9 +167,35 @@ def completion_prompts(prompt: Any, limits: TextLimits | None = None) -> list[st
         # The server's schema rejects these first; a router reading a raw body may meet them.
         raise PromptError("prompt must be a string, a list of strings, a list of token ids "
                           "or a list of lists of token ids", "prompt")
-    texts = [(p, "prompt" if len(prompt) == 1 else f"prompt[{i}]") for i, p in enumerate(prompt) if isinstance(p, str)]
+    texts = _named_texts(prompt)
     check_prompt_text([t for t, _ in texts], [n for _, n in texts], limits, "prompt")
     return [p if isinstance(p, str) else list(p) for p in prompt]
+
+
+def _named_texts(prompts: list[Any]) -> list[tuple[str, str]]:
+    """The text prompts of a completion's list of prompts, each with the name its errors give."""
+    return [(p, "prompt" if len(prompts) == 1 else f"prompt[{i}]") for i, p in enumerate(prompts) if isinstance(p, str)]
+
+
+def prompt_texts(kind: str, body: dict[str, Any]) -> list[tuple[str, str]] | None:
+    """The prompt text of a raw request body ("chat" or "completion") as check_prompt_text sees it,
+    each with the name its errors give: a chat's message contents joined ("messages"), each text
+    prompt of a completion. For the router, which checks before it tokenizes; None when the prompt
+    has another shape (the replica refuses that with its own error)."""
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            return None
+        try:
+            return [("".join(_message_text(m.get("content")) for m in messages), "messages")]
+        except PromptError:
+            return None
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list))):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(p, (str, list)) for p in prompt):
+        return None
+    return _named_texts(prompt)
 
 
 def _is_int(x: Any) -> bool:

@@ -70,20 +70,20 @@ def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
         raise RequestValidationError(e.errors(include_url=False)) from None
 
 
-def add_tokenize_routes(app: FastAPI, serving: TokenizeServing, dependencies: list[Any],
+def add_tokenize_routes(app: FastAPI, serving: TokenizeServing,
                         errors: dict[int | str, dict[str, Any]] | None = None) -> None:
-    """POST /tokenize and /detokenize; `dependencies` checks the API key, `errors` documents the
+    """POST /tokenize and /detokenize (behind the app's API key check); `errors` documents the
     error answers (openai_api.ERRORS)."""
 
     def documented(model: type) -> dict[int | str, dict[str, Any]]:
         return {**(errors or {}), 200: {"model": model}}
 
-    @app.post("/tokenize", dependencies=dependencies, responses=documented(P.TokenizeResponse))
+    @app.post("/tokenize", responses=documented(P.TokenizeResponse))
     async def tokenize(body: dict[str, Any] = Body(...)) -> Response:
         # Chat or prompt is decided by the "messages" key, so a bad body's 400 names the fields
         # of the one the client meant, not those of both.
         return await serving.tokenize(body)
 
-    @app.post("/detokenize", dependencies=dependencies, responses=documented(P.DetokenizeResponse))
+    @app.post("/detokenize", responses=documented(P.DetokenizeResponse))
     async def detokenize(req: P.DetokenizeRequest) -> dict[str, Any]:
         return await serving.detokenize(req)
