@@ -40,7 +40,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /version, /metrics, "
+                        "/kv_events, the /dashboard page and the API description")
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: file name)")
     g.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
                    help="sequences (a prompt's n samples each count) waiting for their first token beyond "
