@@ -35,9 +35,10 @@ import zmq
 import zmq.asyncio
 
 from kvserve.config import EngineConfig
-from kvserve.engine.engine_proc import (ABORT, ADD, CLEAR_CACHE, ERROR, FATAL, OUTPUTS, READY, SHUTDOWN, SNAPSHOT,
-                                        STATS, STATS_RESULT, STOPPED, AbortMsg, AddMsg, ModelInfo, RequestDelta,
-                                        ShutdownMsg, StatsMsg, decode, encode, params_to_wire, run_engine_process)
+from kvserve.engine.engine_proc import (ABORT, ADD, CLEAR_CACHE, ERROR, FATAL, OUTPUTS, PING, READY, SHUTDOWN,
+                                        SNAPSHOT, STATS, STATS_RESULT, STOPPED, AbortMsg, AddMsg, ModelInfo,
+                                        RequestDelta, ShutdownMsg, StatsMsg, decode, encode, params_to_wire,
+                                        run_engine_process)
 from kvserve.lifetime import make_temp_dir
 from kvserve.sampling_params import SamplingParams
 
@@ -217,7 +218,7 @@ class AsyncEngine:
         a query after them, in order, on the one output socket, so a request it refused already has
         its error queued for its generate(). The engine reads between steps; asyncio.TimeoutError
         if it has not answered within `timeout`, EngineDeadError if it is gone."""
-        await self._query(STATS, timeout)
+        await self._query(PING, timeout)
 
     async def clear_kv_cache(self, timeout: float = 10.0) -> dict[str, int]:
         """EngineCore.clear_kv_cache() in the engine process: entries removed per tier.

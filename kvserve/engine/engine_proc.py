@@ -64,7 +64,7 @@ SNAPSHOT_INTERVAL_S = 1.0
 # ---- message schema -------------------------------------------------------
 
 # parent -> child
-ADD, ABORT, STATS, CLEAR_CACHE, SHUTDOWN = "add", "abort", "stats", "clear_cache", "shutdown"
+ADD, ABORT, STATS, CLEAR_CACHE, PING, SHUTDOWN = "add", "abort", "stats", "clear_cache", "ping", "shutdown"
 # child -> parent
 READY, OUTPUTS, ERROR, STATS_RESULT, FATAL = "ready", "outputs", "error", "stats_result", "fatal"
 SNAPSHOT, STOPPED = "snapshot", "stopped"
@@ -86,7 +86,7 @@ class AbortMsg(TypedDict):
 
 
 class StatsMsg(TypedDict):
-    type: Literal["stats", "clear_cache"]  # clear_cache answers with what it removed
+    type: Literal["stats", "clear_cache", "ping"]  # clear_cache answers with what it removed, ping with {}
     query_id: int
 
 
@@ -460,6 +460,8 @@ class EngineLoop:
             stats = self._stats()
             self._send(StatsResultMsg(type=STATS_RESULT, query_id=msg["query_id"], stats=stats))
             self._send_snapshot(stats)
+        elif kind == PING:  # AsyncEngine.barrier: the answer says every earlier message was read
+            self._send(StatsResultMsg(type=STATS_RESULT, query_id=msg["query_id"], stats={}))
         elif kind == CLEAR_CACHE:
             cleared = self.engine.clear_kv_cache()
             self._send(StatsResultMsg(type=STATS_RESULT, query_id=msg["query_id"], stats=cleared))

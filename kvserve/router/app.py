@@ -120,7 +120,8 @@ def build_app(router: Router, api_key: str | None = None, open_metrics: bool = F
     replicas, proxy = router.replicas, router.proxy
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     if api_key is not None:  # added last, so outermost: no body is read before the key is checked
-        app.add_middleware(APIKeyCheck, key=api_key, open_paths=OPEN_PATHS + (OPEN_METRICS_PATHS if open_metrics else ()))
+        open_paths = OPEN_PATHS + (OPEN_METRICS_PATHS if open_metrics else ())
+        app.add_middleware(APIKeyCheck, key=api_key, open_paths=open_paths)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -103,7 +103,8 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
         app = build_app(engine, tokenizer, name, api_key=args.api_key, max_waiting=args.max_waiting,
                         max_request_bytes=args.max_request_bytes, max_n=args.max_n)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                timeout_graceful_shutdown=5, http=h11_with_header_timeout(args.header_timeout, args.body_timeout))
+                                timeout_graceful_shutdown=5,
+                                http=h11_with_header_timeout(args.header_timeout, args.body_timeout))
         server = _Server(config, engine)
         print(f"kvserve: serving {name!r} ({info.model_path}) at http://{args.host}:{args.port}/v1\n"
               f"kvserve: try  curl http://{args.host}:{args.port}/v1/chat/completions -H "
