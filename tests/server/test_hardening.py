@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,11 +30,12 @@ STREAM = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "ignore_eos": True
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     """One engine slot (--max-num-seqs 1), 4 sequences may wait, n at most 4, 64 KV blocks (1024 tokens)
-    over a disk KV tier."""
+    over a disk KV tier; a request body must be complete 2 s after its headers."""
     tmp = tmp_path_factory.mktemp("hardening")
     model = build_tiny_model(tmp / "model", "llama", max_position_embeddings=MAX_MODEL_LEN)
     args = [str(model), *TINY_SERVER_ARGS, "--max-model-len", str(MAX_MODEL_LEN), "--max-waiting", "4",
-            "--max-n", "4", "--max-num-seqs", "1", "--num-kv-blocks", "64", "--kv-offload-disk", str(tmp / "kv")]
+            "--max-n", "4", "--max-num-seqs", "1", "--num-kv-blocks", "64", "--kv-offload-disk", str(tmp / "kv"),
+            "--body-timeout", "2"]
     with running_server(args, tmp / "log") as s:
         s.disk = tmp / "kv"
         yield s
@@ -325,3 +327,33 @@ def test_dead_engine_answers_503_with_retry_after(tiny_model_factory, tmp_path):
             error(status, err, 503, None, "engine")
             assert err["error"]["type"] == "service_unavailable" and int(headers["retry-after"]) >= 1
         assert s.proc.poll() is None and "Traceback" not in s.log_text()
+
+
+def test_a_trickling_body_gets_408_after_body_timeout(srv):
+    """--body-timeout on `kvserve serve` (the protocol is server/limits.py's, shared with the router)."""
+    host, port = srv.base.removeprefix("http://").split(":")
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 1}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode())
+        t0, got = time.monotonic(), b""
+        sock.settimeout(0.5)
+        for byte in body:  # 2 bytes a second: the whole body would take ~40 s
+            try:
+                sock.send(bytes([byte]))
+                got += sock.recv(65536)
+                break
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+        took = time.monotonic() - t0
+        sock.settimeout(10)
+        while chunk := sock.recv(65536):
+            got += chunk
+    print(f"--body-timeout 2: answered after {took:.2f} s")
+    head, _, raw = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), got
+    assert "--body-timeout" in json.loads(raw)["error"]["message"]
+    assert 1.9 <= took < 8, took
+    assert http_request("GET", f"{srv.base}/health")[0] == 200
