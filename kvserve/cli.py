@@ -1,4 +1,4 @@
-"""`kvserve serve | router | generate | chat | bench | cache | eval | quantize | env | tune` — flag names
+"""`kvserve serve | router | generate | chat | tokenizer | bench | cache | eval | quantize | env | tune` — flag names
 mirror `vllm serve`."""
 
 from __future__ import annotations
@@ -95,6 +95,24 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tokenizer_export(args: argparse.Namespace) -> int:
+    """The tokenizer the engine loads for --model (an HF directory's, a GGUF file's embedded one, or
+    the default model's) saved as a transformers directory, chat template included, so a client
+    (aiperf --tokenizer DIR) counts tokens as the server does without a hub."""
+    from pathlib import Path
+
+    from kvserve.models.loader import load_tokenizer
+
+    out = Path(args.dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{str(out)!r} exists and is not an empty directory")
+    tokenizer = load_tokenizer(args.model)
+    tokenizer.save_pretrained(str(out))
+    template = "with its chat template" if getattr(tokenizer, "chat_template", None) else "(no chat template)"
+    print(f"kvserve: wrote the tokenizer of {args.model or 'the default model'} {template} to {out}")
+    return 0
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     """--clear: delete the cached decisions. With a model (or without --clear, the default model):
     start the engine once with every cached decision for it counted as stale, so the dtype and the
@@ -166,6 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--clear", action="store_true", help="delete every cached decision first (alone: only that)")
     add_engine_args(t)
     t.set_defaults(func=cmd_tune)
+
+    tok = sub.add_parser("tokenizer", help="the served model's tokenizer, for clients that count tokens")
+    tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True)
+    x = tok_sub.add_parser("export", help="save the tokenizer the engine loads as a transformers directory "
+                                          "(AutoTokenizer.from_pretrained(DIR))")
+    x.add_argument("dir", metavar="DIR", help="where to write it (created; must be new or empty)")
+    x.add_argument("--model", default=None, help="HF model directory or .gguf file (default: the embedded model)")
+    x.set_defaults(func=cmd_tokenizer_export)
 
     from kvserve.bench.throughput import add_bench_parser
     from kvserve.eval.cli import add_eval_parser

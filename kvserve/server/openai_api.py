@@ -166,10 +166,17 @@ def build_app(engine: AsyncEngine, tokenizer: Any, served_model_name: str, api_k
         return {"enabled": bool(ev), **ev, "block_size": info.block_size, "model": served_model_name,
                 "model_path": info.model_path, "max_model_len": info.max_model_len}
 
+    card = P.ModelCard(id=served_model_name, root=info.model_path, max_model_len=info.max_model_len)
+
     @app.get("/v1/models", responses=ERRORS, response_model=P.ModelList)
     async def models() -> dict:
-        card = P.ModelCard(id=served_model_name, root=info.model_path, max_model_len=info.max_model_len)
         return P.ModelList(data=[card]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}", responses=ERRORS, response_model=P.ModelCard)
+    async def model(model_id: str) -> dict:
+        """The served model's card, as in /v1/models; 404 for any other id."""
+        completion.check_model(model_id)
+        return card.model_dump()
 
     @app.post("/v1/completions", responses=_with_stream(P.CompletionResponse))
     async def completions(req: P.CompletionRequest, request: Request):

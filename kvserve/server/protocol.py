@@ -14,17 +14,22 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator,
                       field_validator)
+from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
+from kvserve.server import openai_fields as F
 from kvserve.server.prompts import unpaired_surrogate
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+    # The model's OpenAI fields and what is done with each (openai_fields.py)
+    openai_fields: ClassVar[dict[str, F.Policy]] = {}
+    field_prefix: ClassVar[str] = ""  # how a log line names a field of a nested object
 
     @field_validator("*", mode="after")
     @classmethod
@@ -36,6 +41,20 @@ class _Strict(BaseModel):
             raise PydanticCustomError("invalid_text", "contains an unpaired surrogate{at}; text must be valid Unicode",
                                       {"at": at})
         return value
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _policy(cls, value: Any, info: ValidationInfo) -> Any:
+        """An ignored field is logged once per process; a refused one set to non-null is a 400 saying why."""
+        policy, why = cls.openai_fields.get(info.field_name or "", (F.HONOURED, ""))
+        if policy == F.REFUSED and value is not None:
+            raise PydanticCustomError("not_supported", why)
+        if policy == F.IGNORED and value is not None:
+            F.note_ignored(cls.field_prefix + (info.field_name or ""), why)
+        return value
+
+
+Refused = SkipJsonSchema[Any]  # a REFUSED field: any non-null value is a 400 (openai_fields.py)
 
 
 def _one_of(what: str) -> WrapValidator:
@@ -57,7 +76,12 @@ ContentInput = Annotated[str | list[dict[str, Any]] | None, _one_of("a string or
 
 
 class StreamOptions(_Strict):
+    openai_fields = F.STREAM_OPTIONS_FIELDS
+    field_prefix = "stream_options."
     include_usage: bool = False
+    include_obfuscation: bool | None = None
+    # vLLM's: with include_usage, every chunk carries the request's usage so far
+    continuous_usage_stats: bool = False
 
 
 class BlendOptions(_Strict):
@@ -84,10 +108,16 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: Refused = None
     # kvserve / vLLM extensions
     cache_salt: str | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None  # keep each prompt's last N tokens (vLLM's)
+    priority: int = 0  # the scheduler's order: lower first (vLLM's)
     # Prefill/decode disaggregation (vLLM's field): {"do_remote_decode": true} to a prefill engine;
     # to a decode engine, the object the prefill engine's response returned
     kv_transfer_params: dict[str, Any] | None = None
@@ -96,11 +126,13 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
+    openai_fields = F.COMPLETION_FIELDS
     prompt: PromptInput
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
+    best_of: int | None = None
+    suffix: Refused = None
 
 
 class ChatMessage(_Strict):
@@ -118,12 +150,44 @@ class ChatMessage(_Strict):
         return value
 
 
+class ResponseFormat(_Strict):
+    type: str  # only "text" is served (serving_chat.py says so in a 400)
+    json_schema: dict[str, Any] | None = None  # taken so the 400 is about the type, not this field
+
+
 class ChatCompletionRequest(_SamplingFields):
+    openai_fields = F.CHAT_FIELDS
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    modalities: list[str] | None = None
+    # accepted and ignored (openai_fields.py says why)
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    prediction: dict[str, Any] | None = None
+    # refused (openai_fields.py says why)
+    tools: Refused = None
+    tool_choice: Refused = None
+    functions: Refused = None
+    function_call: Refused = None
+    audio: Refused = None
+    reasoning_effort: Refused = None
+    verbosity: Refused = None
+    web_search_options: Refused = None
+    moderation: Refused = None
+    # vLLM's chat extensions, as /tokenize takes them
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeCompletionRequest(_Strict):

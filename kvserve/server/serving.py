@@ -42,7 +42,8 @@ DEFAULT_MAX_N = 16
 # (the engine reads new requests between steps, which take at most ~0.5 s; see README).
 ACCEPT_TIMEOUT_S = 30.0
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
-                    "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens")
+                    "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
+                    "include_stop_str_in_output", "skip_special_tokens")
 
 _MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens")
 
@@ -232,9 +233,28 @@ class Serving:
                        dataclasses.replace(params, extra_args={**(params.extra_args or {}), "blend": spec}))
         return out
 
-    async def chat_text(self, messages: list[P.ChatMessage]) -> str:
+    async def chat_text(self, messages: list[P.ChatMessage], **options: Any) -> str:
         """The chat prompt as text (what chat_ids tokenizes), where blending finds its chunks."""
-        return await self.render_chat(messages, as_text=True)
+        return await self.render_chat(messages, as_text=True, **options)
+
+    def truncate(self, req: P.CompletionRequest | P.ChatCompletionRequest,
+                 prompts: list[list[int]]) -> list[list[int]]:
+        """truncate_prompt_tokens (vLLM's): each prompt's last N tokens."""
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return prompts
+        if not 1 <= k <= self.info.max_model_len:
+            raise APIError(400, f"truncate_prompt_tokens must be in [1, max_model_len={self.info.max_model_len}], "
+                           f"got {k}", param="truncate_prompt_tokens")
+        return [p[-k:] for p in prompts]
+
+    @staticmethod
+    def usage_options(req: P.CompletionRequest | P.ChatCompletionRequest) -> tuple[bool, bool]:
+        """(a last chunk with the usage, usage on every chunk): stream_options.include_usage, and
+        vLLM's continuous_usage_stats, which as in vLLM needs include_usage too."""
+        opts = req.stream_options
+        final = opts is not None and opts.include_usage
+        return final, final and opts is not None and opts.continuous_usage_stats
 
     def check_prompt(self, toks: list[int], params: SamplingParams, field_name: str) -> None:
         """The engine's own checks (EngineCore.validate), made before anything is sent to it."""
@@ -257,7 +277,7 @@ class Serving:
     # ---- engine streams -------------------------------------------------------
 
     async def start(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                    cache_salt: str | None, stream: bool = False) -> Deltas:
+                    cache_salt: str | None, stream: bool = False, priority: int = 0) -> Deltas:
         """Admit the request (503 when its sequences do not fit under --max-waiting) and return its
         merged engine stream. With `stream`, only once the engine has taken every engine request:
         one it refuses raises here, before the status line, as its HTTP error.
@@ -267,7 +287,7 @@ class Serving:
         """
         if not self.engine.is_alive():
             raise engine_dead("the engine process is gone")
-        gen = self._merged(prompts, params, cache_salt, stream)
+        gen = self._merged(prompts, params, cache_salt, stream, priority)
         try:
             await anext(gen)  # admission (and acceptance); raises APIError if refused
         except Exception as e:  # noqa: BLE001 - the engine's refusal, as an HTTP status
@@ -275,7 +295,7 @@ class Serving:
         return gen
 
     async def _merged(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                      cache_salt: str | None, confirm: bool) -> AsyncIterator[Any]:
+                      cache_salt: str | None, confirm: bool, priority: int = 0) -> AsyncIterator[Any]:
         """Yields None once admitted (with `confirm`, once the engine has taken every request), then
         (prompt index, delta) as they come; closing aborts all."""
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)  # one per prompt
@@ -285,7 +305,7 @@ class Serving:
 
         async def pump(i: int, toks: list[int]) -> None:
             try:
-                gen = self.engine.generate(toks, per_prompt[i], cache_salt=cache_salt)
+                gen = self.engine.generate(toks, per_prompt[i], priority=priority, cache_salt=cache_salt)
                 async with contextlib.aclosing(gen) as it:
                     async for d in it:
                         trackers[i].on_delta(d)
@@ -339,14 +359,18 @@ class Serving:
             queue.put_nowait(item)
 
     async def stream_events(self, deltas: Deltas, acc: Accum, chunk_for: Callable[[int, CompletionDelta], Any],
-                            usage_chunk: Callable[[P.Usage], Any] | None) -> AsyncIterator[str]:
-        """SSE lines; an engine failure after the status line is reported in-band as an error event."""
+                            usage_chunk: Callable[[P.Usage], Any] | None,
+                            continuous_usage: bool = False) -> AsyncIterator[str]:
+        """SSE lines; an engine failure after the status line is reported in-band as an error event.
+        With `continuous_usage` every chunk carries the request's usage so far (all its choices)."""
         try:
             async with contextlib.aclosing(deltas) as it:
                 async for i, d in it:
                     for idx, c in acc.add(i, d):
                         chunk = chunk_for(idx, c)
                         if chunk is not None:
+                            if continuous_usage:
+                                chunk.usage = acc.usage()
                             yield sse(chunk)
             if usage_chunk is not None:
                 yield sse(usage_chunk(acc.usage()))

@@ -20,15 +20,26 @@ class ChatServing(Serving):
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise APIError(400, f"response_format type {req.response_format.type!r} is not supported yet; only "
+                           '"text" (the default)', param="response_format")
+        if req.modalities is not None and req.modalities != ["text"]:
+            raise APIError(400, f'modalities {req.modalities!r} are not supported; only ["text"] (the default)',
+                           param="modalities")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self.check_sequences(1, req.n, "messages")
-        toks = await self.render_chat(req.messages)
+        options = dict(add_generation_prompt=req.add_generation_prompt,
+                       continue_final_message=req.continue_final_message,
+                       chat_template_kwargs=req.chat_template_kwargs)
+        toks = await self.render_chat(req.messages, **options)
+        truncated = self.truncate(req, [toks])[0]
+        cut, toks = len(truncated) < len(toks), truncated
         params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                       longest_prompt=len(toks))
         self.check_prompt(toks, params, "messages")
-        text = await self.chat_text(req.messages) if self.info.blend is not None else None
+        text = await self.chat_text(req.messages, **options) if self.info.blend is not None and not cut else None
         per_prompt = await self.blend_params(params, [toks], [text], req.blend, "messages")
-        deltas = await self.start([toks], per_prompt, req.cache_salt, stream=req.stream)
+        deltas = await self.start([toks], per_prompt, req.cache_salt, stream=req.stream, priority=req.priority)
         acc, rid, k = Accum(req.n), P.new_id("chatcmpl"), req.top_logprobs or 0
         if req.stream:
             started: set[int] = set()
@@ -47,8 +58,9 @@ class ChatServing(Serving):
             def usage_chunk(u: P.Usage) -> P.ChatCompletionChunk:
                 return P.ChatCompletionChunk(id=rid, model=self.model_name, choices=[], usage=u)
 
-            usage = usage_chunk if req.stream_options is not None and req.stream_options.include_usage else None
-            return StreamingResponse(self.stream_events(deltas, acc, chunk_for, usage),
+            final, continuous = self.usage_options(req)
+            return StreamingResponse(self.stream_events(deltas, acc, chunk_for, usage_chunk if final else None,
+                                                        continuous),
                                      media_type="text/event-stream")
         await self.collect(deltas, acc, receive)
         choices = [P.ChatChoice(index=i, message=P.ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,

@@ -25,8 +25,9 @@ class CompletionServing(Serving):
         """The answer; `receive` (the request's ASGI channel) tells when a client waiting for a
         whole answer leaves, which aborts its engine requests."""
         self.check_model(req.model)
-        if req.suffix is not None:
-            raise APIError(400, "suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, f"best_of={req.best_of} other than n={req.n} is not supported (as in vLLM's V1 engine): "
+                           "send n candidates and pick among them", param="best_of")
         score_only = req.echo and req.max_tokens == 0
         max_tokens = 1 if score_only else req.max_tokens
         prompt_lps = req.logprobs if req.echo and req.logprobs is not None else None
@@ -35,11 +36,14 @@ class CompletionServing(Serving):
             raise APIError(400, "kv_transfer_params takes a single prompt", param="kv_transfer_params")
         self.check_sequences(len(items), req.n, "prompt")
         prompts, texts = await self.encode(items)
+        truncated = self.truncate(req, prompts)
+        texts = [t if len(a) == len(b) else None for t, a, b in zip(texts, prompts, truncated)]
+        prompts = truncated
         params = self.sampling_params(req, max_tokens, req.logprobs, prompt_lps, max(map(len, prompts)))
         for p in prompts:
             self.check_prompt(p, params, "prompt")
         per_prompt = await self.blend_params(params, prompts, texts, req.blend, "prompt")
-        deltas = await self.start(prompts, per_prompt, req.cache_salt, stream=req.stream)
+        deltas = await self.start(prompts, per_prompt, req.cache_salt, stream=req.stream, priority=req.priority)
         if score_only:
             deltas = _drop_generated(deltas)
         acc, rid = Accum(req.n), P.new_id("cmpl")
@@ -48,9 +52,10 @@ class CompletionServing(Serving):
             def usage_chunk(u: P.Usage) -> P.CompletionResponse:
                 return P.CompletionResponse(id=rid, model=self.model_name, choices=[], usage=u)
 
-            usage = usage_chunk if req.stream_options is not None and req.stream_options.include_usage else None
+            final, continuous = self.usage_options(req)
             chunk_for = self._chunker(req, rid, echo)
-            return StreamingResponse(self.stream_events(deltas, acc, chunk_for, usage),
+            return StreamingResponse(self.stream_events(deltas, acc, chunk_for, usage_chunk if final else None,
+                                                        continuous),
                                      media_type="text/event-stream")
         await self.collect(deltas, acc, receive)
         choices = []
