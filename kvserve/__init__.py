@@ -1,10 +1,12 @@
 """kvserve: an LLM inference engine built around the KV cache."""
 
 from kvserve.config import EngineConfig
-from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "EmbeddingOutput", "EmbeddingRequestOutput"]
 __version__ = "0.1.0"
 
 

@@ -42,6 +42,7 @@ DTYPES = ("auto", "bfloat16", "float32", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")  # attention/: cpu_backend.py, torch_backend.py, ...
 PREFIX_CACHES = ("hash", "radix")
+POOLING_CHOICES = ("last", "mean")  # --pooling: vLLM's PoolerConfig pooling_type LAST / MEAN
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 KV_ROLES = ("prefill", "decode", "both")  # --kv-role; vLLM's kv_producer / kv_consumer / kv_both
 KV_TRANSPORTS = ("auto", "zmq", "shm")  # disagg/transport.py; auto: shm when the peer is this host
@@ -104,6 +105,8 @@ class ModelConfig:
     max_logprobs: int = 20
     # vLLM's enforce_eager: no CUDA graphs for decode steps (they run on CUDA with the triton backend)
     enforce_eager: bool = False
+    # How an embedding request pools the final hidden states (pooling_params.py): last or mean
+    pooling: str = "last"
 
     def __post_init__(self) -> None:
         from kvserve.quant.base import check_method
@@ -111,6 +114,7 @@ class ModelConfig:
         check_method(self.quantization)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("pooling", self.pooling, POOLING_CHOICES)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be auto, none or a directory, got {self.generation_config!r}")
         if self.max_model_len is not None:

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvserve.config import (ATTENTION_BACKENDS, DTYPES, EXECUTOR_BACKENDS, KV_CACHE_DTYPES, KV_LOAD_FAILURE_POLICIES,
-                            KV_ROLES, PREFIX_CACHES, BlendConfig, CacheConfig, EngineConfig, KVEventsConfig, KVTransferConfig,
-                            ModelConfig, ParallelConfig, SchedulerConfig, TierConfig, parse_json_object, parse_size)
+                            KV_ROLES, POOLING_CHOICES, PREFIX_CACHES, BlendConfig, CacheConfig, EngineConfig,
+                            KVEventsConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, TierConfig,
+                            parse_json_object, parse_size)
 
 # The exit code of every kvserve command given a bad flag or value (the message names it).
 EXIT_BAD_INPUT = 2
@@ -131,6 +132,11 @@ FLAGS: tuple[Flag, ...] = (
          "sampling defaults for requests that omit a field: auto (the model's generation_config.json, "
          "or a GGUF file's general.sampling.* keys), none (kvserve's own), or a directory holding a "
          "generation_config.json", metavar="auto|none|DIR"),
+    Flag("pooling", "model.pooling", "last",
+         "how /v1/embeddings and LLM.embed pool the final hidden states (L2-normalized): last (the last "
+         "prompt token's, the default: in a causal decoder only it has seen the whole prompt) or mean "
+         "(over every prompt token; such requests skip the prefix cache, as each position is needed)",
+         choices=POOLING_CHOICES),
     Flag("device", "device", "cpu", "torch device, e.g. cpu or cuda"),
     Flag("check_integrity", "check_integrity", False, "check the KV cache's invariants after every step",
          cli=False),

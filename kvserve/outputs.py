@@ -55,3 +55,33 @@ class RequestOutput:
     # Prefill/decode disaggregation (disagg/): on a prefill engine's finished output, where a decode
     # engine fetches this prompt's K/V (vLLM's field)
     kv_transfer_params: dict[str, Any] | None = None
+    # An embedding request's pooled vector (pooling_params.py), on its finished output
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's EmbeddingOutput: one prompt's embedding."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's EmbeddingRequestOutput: what LLM.embed returns per prompt (`.outputs.embedding`)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+    @classmethod
+    def from_output(cls, out: RequestOutput) -> EmbeddingRequestOutput:
+        assert out.embedding is not None, f"request {out.request_id} has no embedding"
+        return cls(out.request_id, EmbeddingOutput(out.embedding), out.prompt_token_ids, out.finished,
+                   out.num_cached_tokens)

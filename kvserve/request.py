@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from kvserve.pooling_params import pooling_params
 from kvserve.sampling_params import SamplingParams
 
 
@@ -70,8 +71,10 @@ class Request:
         # Blocks from this index on may hold approximate K/V (chunks reused out of order, blend/):
         # the prefix cache keys them apart from exactly computed ones (`block_salt`). None: all exact.
         self.approx_from_block: int | None = None
-        # Requests asking for prompt logprobs need every prompt position computed.
-        self.skip_prefix_cache = sampling_params.prompt_logprobs is not None
+        # Requests asking for prompt logprobs, or mean-pooled embeddings, need every prompt position computed.
+        pooling = pooling_params(sampling_params)
+        self.skip_prefix_cache = (sampling_params.prompt_logprobs is not None
+                                  or (pooling is not None and pooling.needs_every_position))
         # n > 1: followers share the leader's prompt blocks and wait until it computed them.
         self.leader_id: str | None = None
         self.num_preemptions = 0

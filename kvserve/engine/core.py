@@ -32,6 +32,7 @@ from kvserve.engine.output_processor import OutputProcessor
 from kvserve.models.generation_config import generation_defaults
 from kvserve.models.loader import Checkpoint, open_checkpoint, resolve_dtype
 from kvserve.outputs import RequestOutput
+from kvserve.pooling_params import pooling_params, with_default_pooling
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.model_runner import ModelRunnerOutput, kv_bytes_per_block, kv_dtype_of
@@ -223,6 +224,7 @@ class EngineCore:
         request_id = request_id if request_id is not None else self.new_request_id()
         if request_id in self.processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        params = with_default_pooling(params, self.config.model.pooling)
         max_tokens = self.validate(prompt_token_ids, params, priority, cache_salt)
         arrival = arrival_time if arrival_time is not None else time.time()
         spec = blend_spec(params)
@@ -267,6 +269,8 @@ class EngineCore:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")
+        if pooling_params(params) is not None:
+            return self._validate_pooling(len(ids), params)
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.max_logprobs:
@@ -286,6 +290,24 @@ class EngineCore:
             raise ValueError(f"prompt + max_tokens need {need} KV blocks but the KV cache has only "
                              f"{self.kv.num_blocks}; raise kv_cache_memory or lower max_tokens")
         return max_tokens
+
+    def _validate_pooling(self, n_prompt: int, params: SamplingParams) -> int:
+        """An embedding request runs its prompt once and stops: one sequence, nothing sampled, no
+        room to generate needed; returns its max_tokens (0)."""
+        if params.n != 1:
+            raise ValueError(f"n must be 1 for an embedding request, got {params.n}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(params, name) is not None:
+                raise ValueError(f"{name} is not supported for an embedding request")
+        other = sorted(set(params.extra_args or {}) - {"pooling"})
+        if other:
+            raise ValueError(f"{other[0]} is not supported for an embedding request")
+        if n_prompt > self.max_model_len:
+            raise ValueError(f"prompt is {n_prompt} tokens, more than max_model_len={self.max_model_len}")
+        need = -(-n_prompt // self.kv.block_size)
+        if need > self.kv.num_blocks:
+            raise ValueError(f"the prompt needs {need} KV blocks but the KV cache has only {self.kv.num_blocks}")
+        return 0
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_requests(self.processor.child_ids(request_id), RequestStatus.FINISHED_ABORTED)
@@ -338,7 +360,7 @@ class EngineCore:
     def _finish_step(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> list[RequestOutput]:
         if self.connector is not None:
             self.connector.after_forward(so.kv_connector_meta, self.executor)
-        updated = self.scheduler.update(so, ro.sampled)
+        updated = self.scheduler.update(so, ro.sampled) + self._finish_pooled(ro)
         outputs, stopped = self.processor.process(updated, ro)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         if self.connector is not None:
@@ -348,6 +370,14 @@ class EngineCore:
         if self.check_integrity:
             self.kv.check_integrity(self.scheduler.block_holders())
         return outputs
+
+    def _finish_pooled(self, ro: ModelRunnerOutput) -> list[Request]:
+        """Embedding requests end with their prompt: those pooled this step finish here (their
+        blocks freed as any finished request's); the output processor takes their vectors."""
+        done = [r for rid in ro.pooled
+                if (r := self.scheduler.requests.get(rid)) is not None and r.status == RequestStatus.RUNNING]
+        self.scheduler.finish_requests([r.request_id for r in done], RequestStatus.FINISHED_STOPPED)
+        return done
 
     @property
     def kv_usage(self) -> float:

@@ -142,6 +142,7 @@ class RequestDeltaWire(TypedDict):
     prompt_logprobs: list[WireLogprobs | None] | None  # sent once, with the first token
     metrics: dict[str, float | None] | None
     kv_transfer_params: dict[str, Any] | None  # on the finished delta (RequestOutput's)
+    embedding: list[float] | None  # an embedding request's vector, on its finished delta
 
 
 class OutputsMsg(TypedDict):
@@ -242,6 +243,7 @@ class RequestDelta:
     metrics: RequestMetrics | None
     cached_tokens_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
     kv_transfer_params: dict[str, Any] | None = None
+    embedding: list[float] | None = None  # an embedding request's vector (pooling_params.py)
 
     @classmethod
     def from_wire(cls, d: RequestDeltaWire) -> RequestDelta:
@@ -251,7 +253,7 @@ class RequestDelta:
         metrics = RequestMetrics(**d["metrics"]) if d["metrics"] is not None else None
         return cls(d["request_id"], [CompletionDelta.from_wire(c) for c in d["completions"]],
                    d["finished"], d["num_prompt_tokens"], d["num_cached_tokens"], plp, metrics,
-                   d["cached_tokens_by_tier"], d["kv_transfer_params"])
+                   d["cached_tokens_by_tier"], d["kv_transfer_params"], d["embedding"])
 
 
 # ---- child side: turning cumulative RequestOutputs into deltas -------------
@@ -310,7 +312,7 @@ class DeltaTracker:
                                 num_cached_tokens=out.num_cached_tokens,
                                 cached_tokens_by_tier=out.num_cached_tokens_by_tier, prompt_logprobs=plp,
                                 metrics=dataclasses.asdict(m) if m is not None else None,
-                                kv_transfer_params=out.kv_transfer_params)
+                                kv_transfer_params=out.kv_transfer_params, embedding=out.embedding)
 
     def _completion(self, tr: _Tracked, co) -> CompletionDeltaWire | None:
         sent = tr.completions[co.index]
@@ -341,7 +343,7 @@ class DeltaTracker:
                  for i, s in tr.completions.items() if not s.finished]
         return RequestDeltaWire(request_id=request_id, completions=comps, finished=True, num_prompt_tokens=0,
                                 num_cached_tokens=0, cached_tokens_by_tier={}, prompt_logprobs=None,
-                                metrics=None, kv_transfer_params=None)
+                                metrics=None, kv_transfer_params=None, embedding=None)
 
 
 # ---- child side: the loop ---------------------------------------------------

@@ -13,7 +13,8 @@ from kvserve.blend.chunks import make_spec
 from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.inputs import PROMPT_KEYS, UNSUPPORTED_PROMPT_KEYS, PromptType, TextPrompt, TokensPrompt
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import EmbeddingRequestOutput, RequestOutput
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 
 __all__ = ["LLM", "PromptType", "TextPrompt", "TokensPrompt"]
@@ -86,6 +87,24 @@ class LLM:
         for (text, toks, salt), p, prio in zip(encoded, params, prios):
             ids.append(self.engine.add_request(None, toks, p, prompt=text, priority=prio, cache_salt=salt))
         return self._run(ids, use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`.outputs.embedding`), in order, as vLLM's LLM.embed: the final
+        hidden states pooled as pooling_params say (default: the engine's --pooling, L2-normalized).
+        Prompts as generate() takes them; each runs its prefill through the same scheduler and
+        finishes without sampling. A bad prompt raises ValueError naming its index; nothing runs."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(pooling_params, (PoolingParams, type(None))):
+            raise ValueError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
+        params = (pooling_params or PoolingParams()).to_sampling_params()
+        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
+        self._validate_all(encoded, [params] * len(encoded), [0] * len(encoded))
+        ids = [self.engine.add_request(None, toks, params, prompt=text, cache_salt=salt)
+               for text, toks, salt in encoded]
+        return [EmbeddingRequestOutput.from_output(o) for o in self._run(ids, use_tqdm)]
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -32,6 +32,7 @@ class _Parent:
     num_cached_tokens: int = 0
     num_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     finished_children: set[str] = field(default_factory=set)
+    embedding: list[float] | None = None  # an embedding request's pooled vector
 
 
 class OutputProcessor:
@@ -75,7 +76,10 @@ class OutputProcessor:
             parent = self.parents[self.child_to_parent[req.request_id]]
             touched[parent.request_id] = parent
             child = parent.children[req.request_id]
-            if self._append(child, req, ro.logprobs.get(req.request_id)):
+            if req.request_id in ro.pooled:  # an embedding request: no token, its vector
+                parent.embedding = ro.pooled[req.request_id]
+                child.completion.finish_reason = req.status.finish_reason
+            elif self._append(child, req, ro.logprobs.get(req.request_id)):
                 stopped.append(req.request_id)
             elif req.is_finished:
                 child.completion.finish_reason = req.status.finish_reason
@@ -149,4 +153,4 @@ class OutputProcessor:
         outs = sorted((c.completion for c in parent.children.values()), key=lambda c: c.index)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
                              parent.prompt_logprobs, outs, finished, parent.num_cached_tokens,
-                             parent.metrics, parent.num_cached_tokens_by_tier)
+                             parent.metrics, parent.num_cached_tokens_by_tier, embedding=parent.embedding)

@@ -2,7 +2,9 @@
 
 Turns a SchedulerOutput into one flat batch (no padding), runs the model,
 samples the requests whose scheduled tokens reach their end, and computes
-prompt logprobs where asked.
+prompt logprobs where asked. Embedding requests (a pooling spec in their params,
+pooling_params.py) are never sampled: their hidden rows are pooled chunk by chunk
+and the vector is returned once their prompt is done.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from kvserve.core.sched_output import SchedulerOutput
 from kvserve.distributed.parallel import IntermediateTensors, Parallel
 from kvserve.layers.linear import kv_head_range
 from kvserve.layers.moe import FusedMoE
+from kvserve.pooling_params import pooling_params
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker import cuda_graphs
+from kvserve.worker.pooler import Pooler
 from kvserve.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 
 # (token ids: actual/sampled first then the top-k, their logprobs, rank of the first)
@@ -32,6 +36,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # Prompt logprobs computed this step: (first position predicted, one entry per position).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # Embedding requests whose prompt ended this step: their pooled vector.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -42,6 +48,7 @@ class _ReqState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None
+    pooler: Pooler | None = None  # embedding requests only
 
 
 # The calibration prompt's max |K| (|V|) lands at most at 448 / KV_SCALE_MARGIN in the fp8 cache
@@ -244,9 +251,10 @@ class ModelRunner:
         for d in so.new_reqs:
             old = self.requests.get(d.req_id)  # resumed after preemption: keep its generator
             gen = old.generator if old else self._make_generator(d.sampling_params)
+            spec = pooling_params(d.sampling_params)
             self.requests[d.req_id] = _ReqState(
                 d.prompt_token_ids + d.output_token_ids, len(d.prompt_token_ids), d.sampling_params,
-                list(d.block_ids), d.num_computed_tokens, gen)
+                list(d.block_ids), d.num_computed_tokens, gen, Pooler(spec) if spec is not None else None)
         for c in so.cached_reqs:
             st = self.requests[c.req_id]
             st.block_ids.extend(c.new_block_ids)
@@ -275,18 +283,16 @@ class ModelRunner:
         else:
             hidden = self._forward(input_ids, positions, self.kv_caches, meta)
 
+        out = ModelRunnerOutput()
+        if hidden is not None and self.is_output_rank:
+            self._pool(order, so.num_scheduled_tokens, meta, hidden, out)
         sample_ids, sample_rows, plp = self._rows_to_compute(order, so.num_scheduled_tokens, meta)
         rows = sample_rows + [r for _, rs, _ in plp for r in rs]
-        if not rows or hidden is None:
-            self._advance(order, so.num_scheduled_tokens)
-            return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[self._to_device(torch.tensor(rows))])
-        if not self.is_output_rank:  # the logits' all-gather needed every tensor-parallel rank
-            self._advance(order, so.num_scheduled_tokens)
-            return ModelRunnerOutput()
-        out = ModelRunnerOutput()
-        self._sample(sample_ids, logits[:len(sample_rows)], out)
-        self._prompt_logprobs(plp, logits[len(sample_rows):], out)
+        if rows and hidden is not None:
+            logits = self.model.compute_logits(hidden[self._to_device(torch.tensor(rows))])
+            if self.is_output_rank:  # the logits' all-gather needed every tensor-parallel rank
+                self._sample(sample_ids, logits[:len(sample_rows)], out)
+                self._prompt_logprobs(plp, logits[len(sample_rows):], out)
         self._advance(order, so.num_scheduled_tokens)
         for rid, tok in out.sampled.items():
             self.requests[rid].token_ids.append(tok)
@@ -341,7 +347,7 @@ class ModelRunner:
         for i, rid in enumerate(order):
             st, n = self.requests[rid], num_sched[rid]
             start, end = st.num_computed_tokens, st.num_computed_tokens + n
-            if end == len(st.token_ids):
+            if end == len(st.token_ids) and st.pooler is None:
                 sample_ids.append(rid)
                 sample_rows.append(meta.query_start_loc[i + 1] - 1)
             if st.params.prompt_logprobs is not None and start < st.num_prompt_tokens - 1:
@@ -349,6 +355,18 @@ class ModelRunner:
                 rows = list(range(meta.query_start_loc[i], meta.query_start_loc[i] + last - start))
                 plp.append((rid, rows, st.token_ids[start + 1:last + 1]))
         return sample_ids, sample_rows, plp
+
+    def _pool(self, order: list[str], num_sched: dict[str, int], meta: AttentionMetadata, hidden: torch.Tensor,
+              out: ModelRunnerOutput) -> None:
+        """Embedding requests add this step's hidden rows to their pooler; one whose prompt ends
+        here returns its vector."""
+        for i, rid in enumerate(order):
+            st = self.requests[rid]
+            if st.pooler is None:
+                continue
+            st.pooler.add(hidden[meta.query_start_loc[i]:meta.query_start_loc[i + 1]])
+            if st.num_computed_tokens + num_sched[rid] == len(st.token_ids):
+                out.pooled[rid] = st.pooler.result()
 
     def _sample(self, rids: list[str], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
         if not rids:
