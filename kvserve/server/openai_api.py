@@ -29,6 +29,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.serving import DEFAULT_MAX_N, RETRY_AFTER_S, APIError, ClientGone, engine_dead
 from kvserve.server.serving_chat import ChatServing
 from kvserve.server.serving_completion import CompletionServing
+from kvserve.server.serving_embedding import EmbeddingServing, add_embedding_routes
 from kvserve.server.serving_tokenize import TokenizeServing, add_tokenize_routes
 from kvserve.server.tokenizer_pool import TokenizerBusy, TokenizerPool
 
@@ -131,6 +132,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any, served_model_name: str, api_k
     if api_key is not None:  # added last, so outermost: a request without the key is answered from its headers
         app.add_middleware(APIKeyCheck, key=api_key, open_paths=OPEN_PATHS)
     add_tokenize_routes(app, TokenizeServing(*shared), ERRORS)
+    add_embedding_routes(app, EmbeddingServing(*shared), ERRORS)
 
     @app.get("/health", responses={503: ERRORS[503]})
     async def health() -> JSONResponse:
