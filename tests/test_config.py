@@ -21,6 +21,7 @@ EXAMPLES = {
     "kv_cache_memory": "3GiB", "gpu_memory_utilization": 0.5, "num_kv_blocks": 100, "enable_prefix_caching": False,
     "prefix_cache": "radix",
     "seed": 7, "max_logprobs": -1, "device": "cuda", "check_integrity": True, "generation_config": "none",
+    "pooling": "mean",
     "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "enable_expert_parallel": True,
     "distributed_executor_backend": "ray", "cpu_threads_bind": "0-3", "cpu_threads": 3,
     "kv_offload_cpu": "8GiB", "kv_offload_disk": "/tmp/kv", "kv_offload_disk_size": "10GiB",
