@@ -26,8 +26,8 @@ class CompletionServing(Serving):
         whole answer leaves, which aborts its engine requests."""
         self.check_model(req.model)
         if req.best_of is not None and req.best_of != req.n:
-            raise APIError(400, f"best_of={req.best_of} other than n={req.n} is not supported (as in vLLM's V1 engine): "
-                           "send n candidates and pick among them", param="best_of")
+            raise APIError(400, f"best_of={req.best_of} other than n={req.n} is not supported (nor in vLLM's V1 "
+                           "engine): send n candidates and pick among them", param="best_of")
         score_only = req.echo and req.max_tokens == 0
         max_tokens = 1 if score_only else req.max_tokens
         prompt_lps = req.logprobs if req.echo and req.logprobs is not None else None
