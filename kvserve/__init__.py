@@ -1,5 +1,7 @@
 """kvserve: an LLM inference engine built around the KV cache."""
 
+# First: it sets the OpenMP wait policy, which libgomp reads once, when torch or a C kernel loads it.
+import kvserve.threads  # noqa: F401
 from kvserve.config import EngineConfig
 from kvserve.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from kvserve.pooling_params import PoolingParams

@@ -21,6 +21,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from kvserve import threads
+
 # Used when kvserve runs from a checkout without installed metadata.
 FALLBACK_DEPS = ("torch", "transformers", "tokenizers", "safetensors", "gguf", "fastapi", "uvicorn", "pydantic",
                  "pyzmq", "redis", "ray", "triton")
@@ -87,7 +89,14 @@ def _torch() -> dict[str, Any]:
     return {"version": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "parallel_backend": backend, "threads": torch.get_num_threads(),
             "interop_threads": torch.get_num_interop_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+            "wait_policy": threads.wait_policy(), "adaptive": _adaptive(),
             "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+
+
+def _adaptive() -> str:
+    if os.environ.get(threads.ADAPTIVE_ENV, "1") == "0":
+        return f"off ({threads.ADAPTIVE_ENV}=0)"
+    return "on: fewer threads while steps run 3x slower than quiet ones (--cpu-threads N pins the count)"
 
 
 def _first_line(cmd: list[str]) -> str:
@@ -245,6 +254,7 @@ def format(info: dict[str, Any]) -> str:
         ("cpu capability", t["cpu_capability"]), ("parallel backend", t["parallel_backend"]),
         ("threads", f"{t['threads']} intra-op, {t['interop_threads']} inter-op"),
         ("OMP_NUM_THREADS", t["OMP_NUM_THREADS"] or "not set"),
+        ("waiting threads", t["wait_policy"]), ("adaptive threads", t["adaptive"]),
         ("cuda", "none (a CPU build)" if t["cuda"] is None else
          f"{t['cuda']} ({'a device' if t['cuda_available'] else 'no device'} available)")])
     out += _section("C kernels", info["c_kernels"], lambda k: [

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve import threads
 from kvserve.blend.chunks import blend_spec, check_blend_spec
 from kvserve.config import CacheConfig, EngineConfig, KVEventsConfig, TierConfig, resolve_attention_backend
 from kvserve.core.kv_connector import MultiConnector
@@ -83,6 +84,7 @@ class EngineCore:
                                        max_model_len=self.max_model_len)
         self.executor = Executor.create(dataclasses.replace(config, model=resolved), num_blocks, calibration,
                                         self.eos_token_id)
+        self.thread_policy = threads.policy_for(config)  # None: a fixed count (--cpu-threads, ranks elsewhere)
         info = self.executor.collective_rpc("model_info")
         self.quantization = info[0]["quantization"]
         self.weight_bytes = sum(i["weight_bytes"] for i in info)  # every rank's shard
@@ -322,8 +324,15 @@ class EngineCore:
         if self.executor.max_concurrent_batches > 1:
             return self._step_pipelined()
         so = self._schedule()
-        has_work = so.num_scheduled_tokens or so.finished_req_ids
-        return self._finish_step(so, self.executor.execute(so) if has_work else ModelRunnerOutput())
+        if not (so.num_scheduled_tokens or so.finished_req_ids):
+            return self._finish_step(so, ModelRunnerOutput())
+        start = time.perf_counter()
+        ro = self.executor.execute(so)
+        if self.thread_policy is not None:  # fewer threads while the cores are shared (kvserve/threads.py)
+            n = self.thread_policy.observe(time.perf_counter() - start, so.total_num_scheduled_tokens)
+            if n is not None:
+                threads.set_threads(n)
+        return self._finish_step(so, ro)
 
     def _step_pipelined(self) -> list[RequestOutput]:
         """Pipeline parallel: keep one batch in flight per stage. A new batch is scheduled while
