@@ -96,7 +96,7 @@ def _torch() -> dict[str, Any]:
 def _adaptive() -> str:
     if os.environ.get(threads.ADAPTIVE_ENV, "1") == "0":
         return f"off ({threads.ADAPTIVE_ENV}=0)"
-    return "on: fewer threads while steps run 3x slower than quiet ones (--cpu-threads N pins the count)"
+    return "on: fewer threads while steps run 2x slower than quiet ones (--cpu-threads N pins the count)"
 
 
 def _first_line(cmd: list[str]) -> str:

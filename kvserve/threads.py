@@ -3,12 +3,12 @@
 Threads meet at barriers between ops (torch's OpenMP regions, decode_stack's `omp barrier`). By
 default libgomp spins ~300000 pause loops (several ms here) before it sleeps, so when another
 process takes a core, the thread that lost it stalls the others at every barrier while they burn
-the remaining core spinning: measured on 2 cores beside two busy loops, 32 tokens of the default
-model took minutes at 2 threads and 2 s at one. Two remedies, both here:
+the remaining core spinning: measured on 2 cores beside busy processes, a 32-token reply of the
+default model took 17-40 s at 2 threads and 0.9 s at one. Two remedies, both here:
 
 - `set_wait_policy`: GOMP_SPINCOUNT (spin, then futex-sleep) for every OpenMP runtime of the
   process. torch's OpenMP and the C kernels' are one libgomp (same soname), which reads the
-  variable once, when it loads: kvserve/__init__ calls this before anything imports torch. A user
+  variable once, when it loads: kvserve/__init__ imports this module before anything imports torch. A user
   setting of GOMP_SPINCOUNT or OMP_WAIT_POLICY wins. The count is chosen by measurement
   (BENCHMARKS.md, "Shared CPU").
 - `ThreadPolicy`: the engine lowers its thread count while steps are far slower than they were
@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
-# libgomp spins this many pause loops (~30 ns each on Zen 3) at a barrier before it sleeps.
-DEFAULT_SPINCOUNT = "0"
+# libgomp spins this many pause loops (~30 ns each on Zen 3) at a barrier before it sleeps. Measured
+# (2-core EPYC, 135M decode, medians; BENCHMARKS.md "Shared CPU"): 3000 keeps quiet speed (0 cost 21%,
+# a futex wake at every barrier) and contended speed within 5% of 0 (libgomp's 300000: 27% below).
+DEFAULT_SPINCOUNT = "3000"
 WAIT_VARS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 
 
@@ -83,7 +85,7 @@ class ThreadPolicy:
     """
 
     full: int
-    slow: float = 3.0
+    slow: float = 2.0
     patience: int = 4
     probe_every: int = 32
     probe_steps: int = 2
