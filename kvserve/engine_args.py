@@ -157,7 +157,8 @@ FLAGS: tuple[Flag, ...] = (
          group="parallel", metavar="CORES"),
     Flag("cpu_threads", "parallel.cpu_threads", None,
          "intra-op threads of each rank (default: one per core it may use: its --cpu-threads-bind cores, "
-         "else its share of this host's, or OMP_NUM_THREADS)", group="parallel", type=int, metavar="N"),
+         "else its share of this host's, or OMP_NUM_THREADS); giving it fixes the count (the adaptive thread "
+         "policy is off)", group="parallel", type=int, metavar="N"),
     # ---- KV tiers
     Flag("kv_offload_cpu", "tiers.cpu_bytes", None, "host RAM tier, e.g. 8GiB", group="tiers",
          convert=_size_or_zero, metavar="SIZE"),
