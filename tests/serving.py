@@ -150,3 +150,31 @@ def metric_values(base: str) -> dict[str, float]:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
+
+
+def trickle_post(base: str, path: str, body: bytes, headers: dict[str, str] | None = None,
+                 pause: float = 0.25) -> tuple[float, bytes, bytes]:
+    """POST `body` one byte per `pause` seconds until the server answers: (seconds from the end of
+    the headers to the answer, the answer's status line and headers, its body)."""
+    host, port = base.removeprefix("http://").split(":")
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n{extra}Content-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode())
+        t0, got = time.monotonic(), b""
+        sock.settimeout(pause)
+        for byte in body:
+            try:
+                sock.send(bytes([byte]))
+                got += sock.recv(65536)
+                break
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+        took = time.monotonic() - t0
+        sock.settimeout(10)
+        while chunk := sock.recv(65536):
+            got += chunk
+    head, _, raw = got.partition(b"\r\n\r\n")
+    return took, head, raw

@@ -19,7 +19,7 @@ import pytest
 from kvserve.router.launch import add_router_args, upstream_api_key
 from kvserve.server import prompts
 from tests.router.router_procs import FakeReplica, Router, spawn_router, stop_all, wait_router
-from tests.serving import http_request
+from tests.serving import http_request, trickle_post
 
 KEY, UPSTREAM = "sk-router-7f3a", "sk-replicas-91c2"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -207,31 +207,12 @@ def test_prompt_text_is_checked_as_the_server_does_before_tokenizing(routers, fa
 
 def test_a_trickling_body_is_cut_off_after_body_timeout(routers, fake):
     r = routers["keyed"]
-    host, port = r.base.removeprefix("http://").split(":")
     posts = len(fake.posts)
     body = json.dumps({"prompt": "slow", "max_tokens": 1}).encode()
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode())
-        t0 = time.monotonic()
-        sock.settimeout(0.25)
-        got = b""
-        for byte in body:  # 4 bytes a second, to a router that waits 1 s for the whole body
-            try:
-                sock.send(bytes([byte]))
-                got += sock.recv(65536)
-                break
-            except TimeoutError:
-                continue
-            except OSError:
-                break
-        took = time.monotonic() - t0
-        sock.settimeout(10)
-        while chunk := sock.recv(65536):
-            got += chunk
+    # 4 bytes a second, to a router that waits 1 s for the whole body
+    took, head, raw = trickle_post(r.base, "/v1/completions", body, AUTH, pause=0.25)
     print(f"--body-timeout 1: answered after {took:.2f} s")
-    head, _, raw = got.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 408 "), got
+    assert head.startswith(b"HTTP/1.1 408 "), head
     err = json.loads(raw)["error"]
     assert err["code"] == 408 and "--body-timeout" in err["message"]
     assert 0.9 <= took < 5, took

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,7 @@ import pytest
 from kvserve.engine.engine_proc import ModelInfo
 from tests.conftest import build_tiny_model
 from tests.serving import (MODEL, PROMPT, TINY_SERVER_ARGS, engine_pid, http_request, metric_values, open_stream,
-                           running_server, sse_events)
+                           running_server, sse_events, trickle_post)
 
 MAX_MODEL_LEN = 262144  # a long context: its text bound lets through prompts that take seconds to tokenize
 LONGEST_TOKEN = 13  # characters of the tiny tokenizer's longest vocabulary entry
@@ -331,29 +330,10 @@ def test_dead_engine_answers_503_with_retry_after(tiny_model_factory, tmp_path):
 
 def test_a_trickling_body_gets_408_after_body_timeout(srv):
     """--body-timeout on `kvserve serve` (the protocol is server/limits.py's, shared with the router)."""
-    host, port = srv.base.removeprefix("http://").split(":")
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 1}).encode()
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n".encode())
-        t0, got = time.monotonic(), b""
-        sock.settimeout(0.5)
-        for byte in body:  # 2 bytes a second: the whole body would take ~40 s
-            try:
-                sock.send(bytes([byte]))
-                got += sock.recv(65536)
-                break
-            except TimeoutError:
-                continue
-            except OSError:
-                break
-        took = time.monotonic() - t0
-        sock.settimeout(10)
-        while chunk := sock.recv(65536):
-            got += chunk
+    took, head, raw = trickle_post(srv.base, "/v1/completions", body, pause=0.5)  # ~40 s for the whole body
     print(f"--body-timeout 2: answered after {took:.2f} s")
-    head, _, raw = got.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 408 "), got
+    assert head.startswith(b"HTTP/1.1 408 "), head
     assert "--body-timeout" in json.loads(raw)["error"]["message"]
     assert 1.9 <= took < 8, took
     assert http_request("GET", f"{srv.base}/health")[0] == 200
