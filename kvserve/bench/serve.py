@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.bench.datasets import (
+    DEFAULT_RANDOM_LEN,
     BenchRequest,
     load_sharegpt,
     multiturn_sessions,
@@ -42,7 +43,6 @@ from kvserve.bench.datasets import (
     random_requests,
 )
 from kvserve.bench.serve_report import RequestTiming, ServeBenchResult, format_serve_table, result_dict, summarize
-from kvserve.bench.throughput import DEFAULT_RANDOM_LEN
 
 DEFAULT_PREFIX_LEN = 2048
 DEFAULT_PREFIX_OUTPUT_LEN = 32

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kvserve.bench.throughput import cpu_model, render_table
+from kvserve.bench.table import cpu_model, render_table
 
 
 @dataclass

@@ -9,18 +9,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserve.bench.datasets import BenchRequest, load_sharegpt, random_requests
+from kvserve.bench.datasets import DEFAULT_RANDOM_LEN, BenchRequest, load_sharegpt, random_requests
+from kvserve.bench.serve import add_serve_bench_parser
+from kvserve.bench.table import cpu_model, render_table
 from kvserve.config import EngineConfig
 from kvserve.engine_args import add_engine_args
 
-DEFAULT_RANDOM_LEN = 128
 WARMUP_TOKENS = 4
 WARMUP_REQUESTS = 4
 
@@ -72,9 +72,6 @@ def add_bench_parser(subparsers: Any) -> None:
     p.add_argument("--output-json", default=None, help="also write the numbers to this JSON file")
     add_engine_args(p)
     p.set_defaults(func=cmd_throughput)
-    # Imported here, not at module top: serve imports this module.
-    from kvserve.bench.serve import add_serve_bench_parser
-
     add_serve_bench_parser(bench_sub)
 
 
@@ -258,16 +255,6 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _hardware(device: str) -> str:
     import torch
 
@@ -319,11 +306,3 @@ def format_table(r: BenchResult) -> str:
     if r.computed_output_tokens is not None and r.computed_output_tokens != r.total_output_tokens:
         rows.append(("computed output tokens", str(r.computed_output_tokens)))
     return render_table(rows, [f"note: {r.note}"] if r.note else [])
-
-
-def render_table(rows: list[tuple[str, str]], footer: list[str]) -> str:
-    """Aligned `name  value` rows between two rules, then free-form footer lines."""
-    width = max(len(k) for k, _ in rows)
-    lines = [f"{k:<{width}}  {v}" for k, v in rows] + footer
-    rule = "-" * min(100, max(len(line) for line in lines))
-    return "\n".join([rule, *lines, rule])
