@@ -165,3 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"kvserve: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":  # python -m kvserve.server.launch: same as `kvserve serve`
+    sys.exit(main())

@@ -11,7 +11,6 @@ FastAPI's own validation errors, leaves in the OpenAI shape
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -189,9 +188,3 @@ def build_app(engine: AsyncEngine, tokenizer: Any, served_model_name: str, api_k
         return await chat.create(req, request.receive)
 
     return app
-
-
-if __name__ == "__main__":  # python -m kvserve.server.openai_api: same as `kvserve serve`
-    from kvserve.server.launch import main
-
-    sys.exit(main())
