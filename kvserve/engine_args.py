@@ -1,9 +1,8 @@
-"""Every engine option, declared once: its flag, LLM keyword, config field, default, help, parser.
+"""The engine's CLI flags, generated from the option table (kvserve/config.py's FLAGS).
 
-The CLI (`add_engine_args`, used by serve / generate / chat / bench), `LLM(**kwargs)` and
-`AsyncEngine.start(**kwargs)` (`EngineConfig.from_kwargs`) and the server
-(`EngineConfig.from_cli_args`) are all generated from FLAGS: adding an option is one entry
-here plus the config field it lands in.
+`add_engine_args` adds them to the parsers of serve / generate / chat / bench;
+`EngineConfig.from_cli_args` reads them back. The spelling of each flag is `--` + its name with
+dashes (vLLM's spelling); the groups below title them in --help.
 
 A neutral module (no torch at import): kvserve/cli.py is the top floor and nothing imports it.
 """
@@ -11,23 +10,12 @@ A neutral module (no torch at import): kvserve/cli.py is the top floor and nothi
 from __future__ import annotations
 
 import argparse
-import difflib
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from kvserve.config import (ATTENTION_BACKENDS, DTYPES, EXECUTOR_BACKENDS, KV_CACHE_DTYPES, KV_LOAD_FAILURE_POLICIES,
-                            KV_ROLES, POOLING_CHOICES, PREFIX_CACHES, BlendConfig, CacheConfig, EngineConfig,
-                            KVEventsConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, TierConfig,
-                            parse_json_object, parse_size)
+from kvserve.config import FLAGS, Flag
 
 # The exit code of every kvserve command given a bad flag or value (the message names it).
 EXIT_BAD_INPUT = 2
-
-# EngineConfig's sections, by the name a Flag.target starts with.
-SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                             "parallel": ParallelConfig, "tiers": TierConfig, "kv_events": KVEventsConfig,
-                             "kv_transfer": KVTransferConfig, "blend": BlendConfig}
 
 GROUP_TITLES = {
     "engine": "engine",
@@ -39,189 +27,6 @@ GROUP_TITLES = {
 }
 
 
-@dataclass(frozen=True)
-class Flag:
-    """One engine option. The CLI spelling is `--` + name with dashes (vLLM's spelling)."""
-
-    name: str  # the LLM keyword and the argparse dest
-    target: str  # where the value lands: "section.field" of EngineConfig, or a top-level field
-    default: Any
-    help: str
-    group: str = "engine"  # a key of GROUP_TITLES
-    type: Callable[[str], Any] | None = None  # parses the CLI string (kwargs arrive typed)
-    convert: Callable[[Any, str], Any] | None = None  # (value, flag name) -> field value, both paths
-    # A callable is asked only when the parser is built (quantization's list lives beside torch).
-    choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None
-    aliases: tuple[str, ...] = ()  # more CLI spellings, e.g. -tp
-    boolean: Literal["store_true", "optional"] | None = None  # optional: --x / --no-x
-    metavar: str | None = None
-    cli: bool = True  # False: an LLM keyword only
-
-    @property
-    def option(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-    def argparse_kwargs(self) -> dict[str, Any]:
-        kw: dict[str, Any] = {"dest": self.name, "default": self.default, "help": self.help}
-        if self.boolean == "store_true":
-            return {**kw, "action": "store_true"}
-        if self.boolean == "optional":
-            return {**kw, "action": argparse.BooleanOptionalAction}
-        choices = self.choices() if callable(self.choices) else self.choices
-        extra = {"type": self.type, "choices": list(choices) if choices else None, "metavar": self.metavar}
-        return {**kw, **{k: v for k, v in extra.items() if v is not None}}
-
-
-def _size_or_none(value: int | str | None, name: str) -> int | None:
-    return None if value is None else parse_size(value, name)
-
-
-def _size_or_zero(value: int | str | None, name: str) -> int:
-    return 0 if value is None else parse_size(value, name)
-
-
-def _quantization_choices() -> tuple[str, ...]:
-    from kvserve.quant.base import METHODS  # imports torch: asked only when a parser is built
-
-    return (*METHODS, "none")
-
-
-FLAGS: tuple[Flag, ...] = (
-    Flag("model", "model.model", None, "HF directory or GGUF file (default: embedded SmolLM2-135M-Instruct)"),
-    Flag("dtype", "model.dtype", "auto",
-         "activation dtype (auto: bfloat16 on CUDA; on a CPU the faster of float32 / bfloat16 measured on "
-         "the model's shapes at start, cached per CPU: `kvserve env` shows the choice)",
-         choices=DTYPES),
-    Flag("quantization", "model.quantization", None,
-         "weight quantization (default: what the checkpoint says; none: load dequantized)",
-         choices=_quantization_choices, aliases=("-q",)),
-    Flag("attention_backend", "model.attention_backend", "auto",
-         "paged attention kernels (auto: cpu on a CPU, torch elsewhere; cpu: compiled C kernels, torch: torch ops, "
-         "triton: Triton kernels, CUDA)",
-         choices=ATTENTION_BACKENDS),
-    Flag("enforce_eager", "model.enforce_eager", False,
-         "no CUDA graphs: decode steps launch their kernels one by one (graphs run on CUDA with the "
-         "triton attention backend)", boolean="store_true"),
-    Flag("kv_cache_dtype", "cache.kv_cache_dtype", "auto",
-         "fp8: KV stored as float8 e4m3 with per-layer scales (about 2x the tokens)", choices=KV_CACHE_DTYPES),
-    Flag("max_model_len", "model.max_model_len", None,
-         "longest prompt + completion in tokens (default: the model's, at most 8192)", type=int),
-    Flag("max_num_seqs", "scheduler.max_num_seqs", 256, "most requests running at once", type=int),
-    Flag("max_num_batched_tokens", "scheduler.max_num_batched_tokens", None,
-         "token budget of one engine step (default: on a CPU the largest power of two of tokens whose "
-         "prefill, timed at start, takes at most 0.5 s, within 256-8192; 2048 on CUDA)", type=int),
-    Flag("block_size", "cache.block_size", 16, "tokens per KV block", type=int),
-    Flag("kv_cache_memory", "cache.kv_cache_memory", None,
-         "KV cache size per rank, e.g. 2GiB (default: from free memory, see --gpu-memory-utilization)",
-         convert=_size_or_none, metavar="SIZE"),
-    Flag("gpu_memory_utilization", "cache.gpu_memory_utilization", None,
-         "share of memory for weights + KV cache, in (0, 1]: on CUDA of the device's (default 0.9, as "
-         "vLLM); on a CPU of the available RAM (default, without it and --kv-cache-memory: 40%% of the RAM "
-         "available after the weights, at least 256 MiB, at most 16 GiB and what --max-num-seqs x "
-         "--max-model-len tokens can use)", type=float, metavar="FRACTION"),
-    Flag("num_kv_blocks", "cache.num_kv_blocks", None,
-         "number of KV blocks (overrides --kv-cache-memory and --gpu-memory-utilization)", type=int),
-    Flag("enable_prefix_caching", "cache.enable_prefix_caching", True,
-         "reuse the KV cache of shared prompt prefixes", boolean="optional"),
-    Flag("prefix_cache", "cache.prefix_cache", "hash", "prefix cache structure: hash chain or radix tree",
-         choices=PREFIX_CACHES),
-    Flag("seed", "model.seed", 0, "random seed of the engine", type=int),
-    Flag("max_logprobs", "model.max_logprobs", 20,
-         "the most logprobs / prompt_logprobs a request may ask for (-1: the whole vocabulary)", type=int),
-    Flag("generation_config", "model.generation_config", "auto",
-         "sampling defaults for requests that omit a field: auto (the model's generation_config.json, "
-         "or a GGUF file's general.sampling.* keys), none (kvserve's own), or a directory holding a "
-         "generation_config.json", metavar="auto|none|DIR"),
-    Flag("pooling", "model.pooling", "last",
-         "how /v1/embeddings and LLM.embed pool the final hidden states (L2-normalized): last (the last "
-         "prompt token's, the default: in a causal decoder only it has seen the whole prompt) or mean "
-         "(over every prompt token; such requests skip the prefix cache, as each position is needed)",
-         choices=POOLING_CHOICES),
-    Flag("device", "device", "cpu", "torch device, e.g. cpu or cuda"),
-    Flag("check_integrity", "check_integrity", False, "check the KV cache's invariants after every step",
-         cli=False),
-    # ---- parallelism
-    Flag("tensor_parallel_size", "parallel.tensor_parallel_size", 1,
-         "ranks that shard each layer's weights", group="parallel", type=int, aliases=("-tp",)),
-    Flag("pipeline_parallel_size", "parallel.pipeline_parallel_size", 1,
-         "ranks that each run a range of the layers", group="parallel", type=int, aliases=("-pp",)),
-    Flag("enable_expert_parallel", "parallel.enable_expert_parallel", False,
-         "shard MoE experts over the ranks instead of slicing each expert", group="parallel",
-         boolean="store_true"),
-    Flag("distributed_executor_backend", "parallel.distributed_executor_backend", None,
-         "uni: one process; mp: one process per rank; ray: Ray actors, across machines "
-         "(default: uni for one rank, else mp)", group="parallel", choices=EXECUTOR_BACKENDS),
-    Flag("cpu_threads_bind", "parallel.cpu_threads_bind", None,
-         "CPU cores of each rank, '|' between ranks, e.g. '0-3|4-7' (default auto: ranks of one host "
-         "share its cores equally)",
-         group="parallel", metavar="CORES"),
-    Flag("cpu_threads", "parallel.cpu_threads", None,
-         "intra-op threads of each rank (default: one per core it may use: its --cpu-threads-bind cores, "
-         "else its share of this host's, or OMP_NUM_THREADS); giving it fixes the count (the adaptive thread "
-         "policy is off)", group="parallel", type=int, metavar="N"),
-    # ---- KV tiers
-    Flag("kv_offload_cpu", "tiers.cpu_bytes", None, "host RAM tier, e.g. 8GiB", group="tiers",
-         convert=_size_or_zero, metavar="SIZE"),
-    Flag("kv_offload_disk", "tiers.disk_path", None, "local disk tier directory", group="tiers", metavar="PATH"),
-    Flag("kv_offload_disk_size", "tiers.disk_bytes", "50GiB", "disk tier size", group="tiers",
-         convert=parse_size, metavar="SIZE"),
-    Flag("kv_offload_disk_min_hits", "tiers.disk_min_hits", 0, "only blocks hit N times in host RAM go down to disk",
-         group="tiers", type=int, metavar="N"),
-    Flag("kv_remote", "tiers.remote_url", None, "shared store, e.g. redis://127.0.0.1:6379", group="tiers",
-         metavar="URL"),
-    Flag("kv_remote_min_hits", "tiers.remote_min_hits", 0, "only blocks hit N times go to the shared store",
-         group="tiers", type=int, metavar="N"),
-    Flag("kv_remote_write_through", "tiers.remote_write_through", True,
-         "send every new full block to --kv-remote after its step, in the background, so other replicas "
-         "reuse it at once (default); --no-kv-remote-write-through: only blocks evicted from this replica "
-         "go there (less store traffic, but replicas share only what one has evicted)", group="tiers",
-         boolean="optional"),
-    # ---- KV events
-    Flag("kv_events_endpoint", "kv_events.endpoint", None,
-         "publish every block stored or removed, in every tier, over ZMQ PUB at this address, "
-         "e.g. tcp://127.0.0.1:5557", group="kv_events", metavar="ADDR"),
-    Flag("kv_events_replay_endpoint", "kv_events.replay_endpoint", None,
-         "where a (re)connecting subscriber gets a snapshot of the current blocks "
-         "(default: the endpoint's port + 1)", group="kv_events", metavar="ADDR"),
-    # ---- prefill/decode disaggregation
-    Flag("kv_role", "kv_transfer.role", None,
-         "prefill: computes prompts and serves their K/V to decode engines; decode: generates from K/V "
-         "pulled from a prefill engine (requests name it in kv_transfer_params); both", group="kv_transfer",
-         choices=KV_ROLES),
-    Flag("kv_transfer_config", "kv_transfer.transfer_config", None,
-         "JSON in vLLM's shape, e.g. '{\"kv_connector\":\"PDConnector\",\"kv_role\":\"kv_producer\",'"
-         "'\"kv_ip\":\"127.0.0.1\",\"kv_port\":14579,\"kv_connector_extra_config\":{\"transport\":\"auto\"}}'; "
-         "transport zmq (TCP), shm (shared memory, same host) or auto; auth_key_file: the deployment's shared "
-         "key (at least 16 bytes; needed with --kv-role; auth_key takes it inline); peers: the prefill engines "
-         "a decode engine may fetch from, e.g. [\"10.0.0.5:14579\"]", group="kv_transfer",
-         convert=parse_json_object, metavar="JSON"),
-    Flag("kv_load_failure_policy", "kv_transfer.load_failure_policy", None,
-         "when K/V cannot be pulled from the prefill engine: recompute (prefill here; default) or fail "
-         "(the request fails with an error)", group="kv_transfer", choices=KV_LOAD_FAILURE_POLICIES),
-    # ---- non-prefix reuse (blend/)
-    Flag("enable_blending", "blend.enabled", False,
-         "reuse the K/V of text chunks anywhere in a prompt: chunks are marked by --blend-separator or "
-         "listed in a request's `blend.chunks`", group="blend", boolean="store_true"),
-    Flag("blend_separator", "blend.separator", BlendConfig.separator,
-         "splits a prompt's text into prefix, chunks and suffix (prefix SEP chunk SEP ... SEP suffix)",
-         group="blend", metavar="TEXT"),
-    Flag("blend_recompute_ratio", "blend.recompute_ratio", BlendConfig.recompute_ratio,
-         "share of a blended span's tokens recomputed through every layer (1 = a plain prefill)",
-         group="blend", type=float, metavar="R"),
-    Flag("blend_check_layer", "blend.check_layer", BlendConfig.check_layer,
-         "the layer at which the tokens to recompute are picked", group="blend", type=int, metavar="L"),
-    Flag("blend_recompute_chunk_start", "blend.recompute_chunk_start", BlendConfig.recompute_chunk_start,
-         "also recompute each chunk's first N tokens", group="blend", type=int, metavar="N"),
-    Flag("blend_max_deviation", "blend.max_deviation", BlendConfig.max_deviation,
-         "quality guard: a blend whose reused K/V deviate more than this (mean relative) is recomputed "
-         "in full", group="blend", type=float, metavar="D"),
-    Flag("blend_max_chunk_tokens", "blend.max_chunk_tokens", BlendConfig.max_chunk_tokens,
-         "longest chunk accepted", group="blend", type=int, metavar="N"),
-)
-
-FLAGS_BY_NAME: dict[str, Flag] = {f.name: f for f in FLAGS}
-
-
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add every CLI flag of FLAGS to `parser`, in argument groups."""
     groups: dict[str, Any] = {}
@@ -230,31 +35,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         if f.group not in groups:
             groups[f.group] = parser.add_argument_group(GROUP_TITLES[f.group])
-        groups[f.group].add_argument(f.option, *f.aliases, **f.argparse_kwargs())
+        groups[f.group].add_argument(f.option, *f.aliases, **argparse_kwargs(f))
 
 
-def config_from_kwargs(kwargs: Mapping[str, Any]) -> EngineConfig:
-    """EngineConfig from LLM keyword arguments; flags not given take their defaults."""
-    unknown = [k for k in kwargs if k not in FLAGS_BY_NAME]
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], FLAGS_BY_NAME, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown engine argument {unknown[0]!r}{hint}")
-    return _build({f.name: kwargs.get(f.name, f.default) for f in FLAGS})
-
-
-def config_from_cli_args(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from a namespace parsed with add_engine_args."""
-    return _build({f.name: getattr(args, f.name) if f.cli else f.default for f in FLAGS})
-
-
-def _build(values: Mapping[str, Any]) -> EngineConfig:
-    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
-    top: dict[str, Any] = {}
-    for f in FLAGS:
-        value = values[f.name]
-        if f.convert is not None:
-            value = f.convert(value, f.name)
-        section, _, field = f.target.rpartition(".")
-        (sections[section] if section else top)[field] = value
-    return EngineConfig(**{name: cls(**sections[name]) for name, cls in SECTIONS.items()}, **top)
+def argparse_kwargs(flag: Flag) -> dict[str, Any]:
+    """`parser.add_argument`'s keywords for `flag` (its spellings aside)."""
+    kw: dict[str, Any] = {"dest": flag.name, "default": flag.default, "help": flag.help}
+    if flag.boolean == "store_true":
+        return {**kw, "action": "store_true"}
+    if flag.boolean == "optional":
+        return {**kw, "action": argparse.BooleanOptionalAction}
+    extra = {"type": flag.type, "choices": list(flag.choices) if flag.choices else None, "metavar": flag.metavar}
+    return {**kw, **{k: v for k, v in extra.items() if v is not None}}

@@ -10,8 +10,9 @@ import pickle
 
 import pytest
 
-from kvserve.config import EngineConfig, ParallelConfig, SchedulerConfig, parse_cpu_threads_bind
-from kvserve.engine_args import FLAGS, FLAGS_BY_NAME, SECTIONS, Flag, add_engine_args
+from kvserve.config import (FLAGS, FLAGS_BY_NAME, SECTIONS, EngineConfig, Flag, ParallelConfig, SchedulerConfig,
+                            parse_cpu_threads_bind)
+from kvserve.engine_args import add_engine_args
 
 # A non-default value of every flag, as an LLM keyword value (the CLI gets str(value)).
 EXAMPLES = {
@@ -204,3 +205,19 @@ def test_kvserve_commands_take_every_flag():
     for argv in (["serve"], ["generate", "--prompt", "hi"], ["chat"], ["bench", "throughput"]):
         config = EngineConfig.from_cli_args(build_parser().parse_args([*argv, *extra]))
         assert config == EngineConfig.from_kwargs(tensor_parallel_size=2, kv_offload_cpu="1GiB", max_num_seqs=3)
+
+
+def test_config_lists_the_quantization_methods_of_quant():
+    """config.py checks --quantization without importing quant/ (torch); the two lists agree."""
+    from kvserve.config import QUANTIZATION_METHODS
+    from kvserve.quant.base import METHODS
+
+    assert QUANTIZATION_METHODS == METHODS
+
+
+def test_config_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, kvserve.config, kvserve.engine_args; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
