@@ -84,13 +84,22 @@ class EngineConfig:
         return dataclasses.replace(self, parallel=dataclasses.replace(self.parallel, rank=rank))
 
 
+FIELD_DEFAULT: Any = object()  # a Flag's default when not given: its target field's
+
+
+def field_default(target: str) -> Any:
+    """The default of EngineConfig's field `target` ("section.field" or a top-level field)."""
+    section, _, name = target.rpartition(".")
+    fld = {f.name: f for f in dataclasses.fields(SECTIONS[section] if section else EngineConfig)}[name]
+    return fld.default_factory() if fld.default is dataclasses.MISSING else fld.default
+
+
 @dataclass(frozen=True)
 class Flag:
     """One engine option. The CLI spelling is `--` + name with dashes (vLLM's spelling)."""
 
     name: str  # the LLM keyword and the argparse dest
     target: str  # where the value lands: "section.field" of EngineConfig, or a top-level field
-    default: Any
     help: str
     group: str = "engine"  # a key of engine_args.GROUP_TITLES
     type: Callable[[str], Any] | None = None  # parses the CLI string (kwargs arrive typed)
@@ -100,6 +109,13 @@ class Flag:
     boolean: Literal["store_true", "optional"] | None = None  # optional: --x / --no-x
     metavar: str | None = None
     cli: bool = True  # False: an LLM keyword only
+    # The value when the flag is not given: the target field's default unless given here (give it
+    # only where the flag's default must differ from the field's, with a comment saying why).
+    default: Any = FIELD_DEFAULT
+
+    def __post_init__(self) -> None:
+        if self.default is FIELD_DEFAULT:
+            object.__setattr__(self, "default", field_default(self.target))
 
     @property
     def option(self) -> str:
@@ -115,135 +131,137 @@ def _size_or_zero(value: int | str | None, name: str) -> int:
 
 
 FLAGS: tuple[Flag, ...] = (
-    Flag("model", "model.model", None, "HF directory or GGUF file (default: embedded SmolLM2-135M-Instruct)"),
-    Flag("dtype", "model.dtype", "auto",
+    Flag("model", "model.model", "HF directory or GGUF file (default: embedded SmolLM2-135M-Instruct)"),
+    Flag("dtype", "model.dtype",
          "activation dtype (auto: bfloat16 on CUDA; on a CPU the faster of float32 / bfloat16 measured on "
          "the model's shapes at start, cached per CPU: `kvserve env` shows the choice)",
          choices=DTYPES),
-    Flag("quantization", "model.quantization", None,
+    Flag("quantization", "model.quantization",
          "weight quantization (default: what the checkpoint says; none: load dequantized)",
          choices=(*QUANTIZATION_METHODS, "none"), aliases=("-q",)),
-    Flag("attention_backend", "model.attention_backend", "auto",
+    Flag("attention_backend", "model.attention_backend",
          "paged attention kernels (auto: cpu on a CPU, torch elsewhere; cpu: compiled C kernels, torch: torch ops, "
          "triton: Triton kernels, CUDA)",
          choices=ATTENTION_BACKENDS),
-    Flag("enforce_eager", "model.enforce_eager", False,
+    Flag("enforce_eager", "model.enforce_eager",
          "no CUDA graphs: decode steps launch their kernels one by one (graphs run on CUDA with the "
          "triton attention backend)", boolean="store_true"),
-    Flag("kv_cache_dtype", "cache.kv_cache_dtype", "auto",
+    Flag("kv_cache_dtype", "cache.kv_cache_dtype",
          "fp8: KV stored as float8 e4m3 with per-layer scales (about 2x the tokens)", choices=KV_CACHE_DTYPES),
-    Flag("max_model_len", "model.max_model_len", None,
+    Flag("max_model_len", "model.max_model_len",
          "longest prompt + completion in tokens (default: the model's, at most 8192)", type=int),
-    Flag("max_num_seqs", "scheduler.max_num_seqs", 256, "most requests running at once", type=int),
-    Flag("max_num_batched_tokens", "scheduler.max_num_batched_tokens", None,
+    Flag("max_num_seqs", "scheduler.max_num_seqs", "most requests running at once", type=int),
+    Flag("max_num_batched_tokens", "scheduler.max_num_batched_tokens",
          "token budget of one engine step (default: on a CPU the largest power of two of tokens whose "
          "prefill, timed at start, takes at most 0.5 s, within 256-8192; 2048 on CUDA)", type=int),
-    Flag("block_size", "cache.block_size", 16, "tokens per KV block", type=int),
-    Flag("kv_cache_memory", "cache.kv_cache_memory", None,
+    Flag("block_size", "cache.block_size", "tokens per KV block", type=int),
+    Flag("kv_cache_memory", "cache.kv_cache_memory",
          "KV cache size per rank, e.g. 2GiB (default: from free memory, see --gpu-memory-utilization)",
          convert=_size_or_none, metavar="SIZE"),
-    Flag("gpu_memory_utilization", "cache.gpu_memory_utilization", None,
+    Flag("gpu_memory_utilization", "cache.gpu_memory_utilization",
          "share of memory for weights + KV cache, in (0, 1]: on CUDA of the device's (default 0.9, as "
          "vLLM); on a CPU of the available RAM (default, without it and --kv-cache-memory: 40%% of the RAM "
          "available after the weights, at least 256 MiB, at most 16 GiB and what --max-num-seqs x "
          "--max-model-len tokens can use)", type=float, metavar="FRACTION"),
-    Flag("num_kv_blocks", "cache.num_kv_blocks", None,
+    Flag("num_kv_blocks", "cache.num_kv_blocks",
          "number of KV blocks (overrides --kv-cache-memory and --gpu-memory-utilization)", type=int),
-    Flag("enable_prefix_caching", "cache.enable_prefix_caching", True,
+    Flag("enable_prefix_caching", "cache.enable_prefix_caching",
          "reuse the KV cache of shared prompt prefixes", boolean="optional"),
-    Flag("prefix_cache", "cache.prefix_cache", "hash", "prefix cache structure: hash chain or radix tree",
+    Flag("prefix_cache", "cache.prefix_cache", "prefix cache structure: hash chain or radix tree",
          choices=PREFIX_CACHES),
-    Flag("seed", "model.seed", 0, "random seed of the engine", type=int),
-    Flag("max_logprobs", "model.max_logprobs", 20,
+    Flag("seed", "model.seed", "random seed of the engine", type=int),
+    Flag("max_logprobs", "model.max_logprobs",
          "the most logprobs / prompt_logprobs a request may ask for (-1: the whole vocabulary)", type=int),
-    Flag("generation_config", "model.generation_config", "auto",
+    Flag("generation_config", "model.generation_config",
          "sampling defaults for requests that omit a field: auto (the model's generation_config.json, "
          "or a GGUF file's general.sampling.* keys), none (kvserve's own), or a directory holding a "
          "generation_config.json", metavar="auto|none|DIR"),
-    Flag("pooling", "model.pooling", "last",
+    Flag("pooling", "model.pooling",
          "how /v1/embeddings and LLM.embed pool the final hidden states (L2-normalized): last (the last "
          "prompt token's, the default: in a causal decoder only it has seen the whole prompt) or mean "
          "(over every prompt token; such requests skip the prefix cache, as each position is needed)",
          choices=POOLING_CHOICES),
-    Flag("device", "device", "cpu", "torch device, e.g. cpu or cuda"),
-    Flag("check_integrity", "check_integrity", False, "check the KV cache's invariants after every step",
+    Flag("device", "device", "torch device, e.g. cpu or cuda"),
+    Flag("check_integrity", "check_integrity", "check the KV cache's invariants after every step",
          cli=False),
     # ---- parallelism
-    Flag("tensor_parallel_size", "parallel.tensor_parallel_size", 1,
+    Flag("tensor_parallel_size", "parallel.tensor_parallel_size",
          "ranks that shard each layer's weights", group="parallel", type=int, aliases=("-tp",)),
-    Flag("pipeline_parallel_size", "parallel.pipeline_parallel_size", 1,
+    Flag("pipeline_parallel_size", "parallel.pipeline_parallel_size",
          "ranks that each run a range of the layers", group="parallel", type=int, aliases=("-pp",)),
-    Flag("enable_expert_parallel", "parallel.enable_expert_parallel", False,
+    Flag("enable_expert_parallel", "parallel.enable_expert_parallel",
          "shard MoE experts over the ranks instead of slicing each expert", group="parallel",
          boolean="store_true"),
-    Flag("distributed_executor_backend", "parallel.distributed_executor_backend", None,
+    Flag("distributed_executor_backend", "parallel.distributed_executor_backend",
          "uni: one process; mp: one process per rank; ray: Ray actors, across machines "
          "(default: uni for one rank, else mp)", group="parallel", choices=EXECUTOR_BACKENDS),
-    Flag("cpu_threads_bind", "parallel.cpu_threads_bind", None,
+    Flag("cpu_threads_bind", "parallel.cpu_threads_bind",
          "CPU cores of each rank, '|' between ranks, e.g. '0-3|4-7' (default auto: ranks of one host "
          "share its cores equally)",
          group="parallel", metavar="CORES"),
-    Flag("cpu_threads", "parallel.cpu_threads", None,
+    Flag("cpu_threads", "parallel.cpu_threads",
          "intra-op threads of each rank (default: one per core it may use: its --cpu-threads-bind cores, "
          "else its share of this host's, or OMP_NUM_THREADS); giving it fixes the count (the adaptive thread "
          "policy is off)", group="parallel", type=int, metavar="N"),
     # ---- KV tiers
-    Flag("kv_offload_cpu", "tiers.cpu_bytes", None, "host RAM tier, e.g. 8GiB", group="tiers",
-         convert=_size_or_zero, metavar="SIZE"),
-    Flag("kv_offload_disk", "tiers.disk_path", None, "local disk tier directory", group="tiers", metavar="PATH"),
-    Flag("kv_offload_disk_size", "tiers.disk_bytes", "50GiB", "disk tier size", group="tiers",
+    # default None, not the field's 0: "no host tier", which _size_or_zero turns into 0 (parse_size refuses a
+    # size of 0, so `--kv-offload-cpu 0` stays an error)
+    Flag("kv_offload_cpu", "tiers.cpu_bytes", "host RAM tier, e.g. 8GiB", group="tiers",
+         convert=_size_or_zero, metavar="SIZE", default=None),
+    Flag("kv_offload_disk", "tiers.disk_path", "local disk tier directory", group="tiers", metavar="PATH"),
+    Flag("kv_offload_disk_size", "tiers.disk_bytes", "disk tier size", group="tiers",
          convert=parse_size, metavar="SIZE"),
-    Flag("kv_offload_disk_min_hits", "tiers.disk_min_hits", 0, "only blocks hit N times in host RAM go down to disk",
+    Flag("kv_offload_disk_min_hits", "tiers.disk_min_hits", "only blocks hit N times in host RAM go down to disk",
          group="tiers", type=int, metavar="N"),
-    Flag("kv_remote", "tiers.remote_url", None, "shared store, e.g. redis://127.0.0.1:6379", group="tiers",
+    Flag("kv_remote", "tiers.remote_url", "shared store, e.g. redis://127.0.0.1:6379", group="tiers",
          metavar="URL"),
-    Flag("kv_remote_min_hits", "tiers.remote_min_hits", 0, "only blocks hit N times go to the shared store",
+    Flag("kv_remote_min_hits", "tiers.remote_min_hits", "only blocks hit N times go to the shared store",
          group="tiers", type=int, metavar="N"),
-    Flag("kv_remote_write_through", "tiers.remote_write_through", True,
+    Flag("kv_remote_write_through", "tiers.remote_write_through",
          "send every new full block to --kv-remote after its step, in the background, so other replicas "
          "reuse it at once (default); --no-kv-remote-write-through: only blocks evicted from this replica "
          "go there (less store traffic, but replicas share only what one has evicted)", group="tiers",
          boolean="optional"),
     # ---- KV events
-    Flag("kv_events_endpoint", "kv_events.endpoint", None,
+    Flag("kv_events_endpoint", "kv_events.endpoint",
          "publish every block stored or removed, in every tier, over ZMQ PUB at this address, "
          "e.g. tcp://127.0.0.1:5557", group="kv_events", metavar="ADDR"),
-    Flag("kv_events_replay_endpoint", "kv_events.replay_endpoint", None,
+    Flag("kv_events_replay_endpoint", "kv_events.replay_endpoint",
          "where a (re)connecting subscriber gets a snapshot of the current blocks "
          "(default: the endpoint's port + 1)", group="kv_events", metavar="ADDR"),
     # ---- prefill/decode disaggregation
-    Flag("kv_role", "kv_transfer.role", None,
+    Flag("kv_role", "kv_transfer.role",
          "prefill: computes prompts and serves their K/V to decode engines; decode: generates from K/V "
          "pulled from a prefill engine (requests name it in kv_transfer_params); both", group="kv_transfer",
          choices=KV_ROLES),
-    Flag("kv_transfer_config", "kv_transfer.transfer_config", None,
+    Flag("kv_transfer_config", "kv_transfer.transfer_config",
          "JSON in vLLM's shape, e.g. '{\"kv_connector\":\"PDConnector\",\"kv_role\":\"kv_producer\",'"
          "'\"kv_ip\":\"127.0.0.1\",\"kv_port\":14579,\"kv_connector_extra_config\":{\"transport\":\"auto\"}}'; "
          "transport zmq (TCP), shm (shared memory, same host) or auto; auth_key_file: the deployment's shared "
          "key (at least 16 bytes; needed with --kv-role; auth_key takes it inline); peers: the prefill engines "
          "a decode engine may fetch from, e.g. [\"10.0.0.5:14579\"]", group="kv_transfer",
          convert=parse_json_object, metavar="JSON"),
-    Flag("kv_load_failure_policy", "kv_transfer.load_failure_policy", None,
+    Flag("kv_load_failure_policy", "kv_transfer.load_failure_policy",
          "when K/V cannot be pulled from the prefill engine: recompute (prefill here; default) or fail "
          "(the request fails with an error)", group="kv_transfer", choices=KV_LOAD_FAILURE_POLICIES),
     # ---- non-prefix reuse (blend/)
-    Flag("enable_blending", "blend.enabled", False,
+    Flag("enable_blending", "blend.enabled",
          "reuse the K/V of text chunks anywhere in a prompt: chunks are marked by --blend-separator or "
          "listed in a request's `blend.chunks`", group="blend", boolean="store_true"),
-    Flag("blend_separator", "blend.separator", BlendConfig.separator,
+    Flag("blend_separator", "blend.separator",
          "splits a prompt's text into prefix, chunks and suffix (prefix SEP chunk SEP ... SEP suffix)",
          group="blend", metavar="TEXT"),
-    Flag("blend_recompute_ratio", "blend.recompute_ratio", BlendConfig.recompute_ratio,
+    Flag("blend_recompute_ratio", "blend.recompute_ratio",
          "share of a blended span's tokens recomputed through every layer (1 = a plain prefill)",
          group="blend", type=float, metavar="R"),
-    Flag("blend_check_layer", "blend.check_layer", BlendConfig.check_layer,
+    Flag("blend_check_layer", "blend.check_layer",
          "the layer at which the tokens to recompute are picked", group="blend", type=int, metavar="L"),
-    Flag("blend_recompute_chunk_start", "blend.recompute_chunk_start", BlendConfig.recompute_chunk_start,
+    Flag("blend_recompute_chunk_start", "blend.recompute_chunk_start",
          "also recompute each chunk's first N tokens", group="blend", type=int, metavar="N"),
-    Flag("blend_max_deviation", "blend.max_deviation", BlendConfig.max_deviation,
+    Flag("blend_max_deviation", "blend.max_deviation",
          "quality guard: a blend whose reused K/V deviate more than this (mean relative) is recomputed "
          "in full", group="blend", type=float, metavar="D"),
-    Flag("blend_max_chunk_tokens", "blend.max_chunk_tokens", BlendConfig.max_chunk_tokens,
+    Flag("blend_max_chunk_tokens", "blend.max_chunk_tokens",
          "longest chunk accepted", group="blend", type=int, metavar="N"),
 )
 

@@ -80,6 +80,24 @@ def test_every_config_field_is_declared_exactly_once():
     assert set(targets) == (fields | top) - DERIVED
 
 
+# Flags whose default differs from their field's on purpose (each says why beside its entry in FLAGS):
+# name -> the flag's default, which its convert turns into the field's default.
+DEFAULT_EXCEPTIONS = {"kv_offload_cpu": None}  # no host tier; _size_or_zero makes it the field's 0
+
+
+def test_every_flag_takes_its_default_from_its_field():
+    """A default lives in one place, the dataclass field; the few exceptions are listed above."""
+    defaults = EngineConfig()
+    for flag in FLAGS:
+        field_value = target_value(defaults, flag)
+        if flag.name in DEFAULT_EXCEPTIONS:
+            assert flag.default == DEFAULT_EXCEPTIONS[flag.name], flag.name
+            assert flag.default != field_value and flag.convert is not None, f"{flag.name}: drop the exception"
+            assert flag.convert(flag.default, flag.name) == field_value, flag.name
+        else:
+            assert flag.default == field_value and type(flag.default) is type(field_value), flag.name
+
+
 def test_defaults_agree_with_the_dataclasses():
     from_kwargs, from_cli = both_ways({})
     assert from_kwargs == from_cli == EngineConfig()
