@@ -35,10 +35,10 @@ import zmq
 import zmq.asyncio
 
 from kvserve.config import EngineConfig
-from kvserve.engine.engine_proc import (ABORT, ADD, CLEAR_CACHE, ERROR, FATAL, OUTPUTS, PING, READY, SHUTDOWN,
-                                        SNAPSHOT, STATS, STATS_RESULT, STOPPED, AbortMsg, AddMsg, ModelInfo,
-                                        RequestDelta, ShutdownMsg, StatsMsg, decode, encode, params_to_wire,
-                                        run_engine_process)
+from kvserve.engine.engine_proc import run_engine_process
+from kvserve.engine.wire import (ABORT, ADD, CLEAR_CACHE, ERROR, FATAL, OUTPUTS, PING, READY, SHUTDOWN, SNAPSHOT, STATS,
+                                 STATS_RESULT, STOPPED, AbortMsg, AddMsg, ModelInfo, RequestDelta, ShutdownMsg,
+                                 StatsMsg, decode, encode, params_to_wire)
 from kvserve.lifetime import make_temp_dir
 from kvserve.sampling_params import SamplingParams
 
@@ -64,6 +64,15 @@ class KVLoadError(RuntimeError):
 
 class EngineBusyError(RuntimeError):
     """The engine did not answer in time and there is no snapshot of its state yet."""
+
+
+def load_tokenizer(model: str | None) -> Any:
+    """The tokenizer of `model` (None: the embedded default model), as the engine process builds it,
+    without any weights: the API process tokenizes and detokenizes with it beside the engine.
+    Imported when called: it loads torch, which the API process does after spawning the engine."""
+    from kvserve.models.loader import load_tokenizer as load
+
+    return load(model)
 
 
 class AsyncEngine:

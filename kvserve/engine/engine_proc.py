@@ -1,29 +1,21 @@
-"""The engine core in its own process, driven over ZeroMQ with msgpack messages.
+"""The engine core in its own process, driven over ZeroMQ with msgpack messages: the loop and
+the start-up of the child. The messages are declared in wire.py (both sides import it); what each
+`outputs` message carries is worked out by delta_tracker.py.
 
 The API process must never stall the step loop through the GIL, so EngineCore
 runs in a child process (spawned, never forked: torch and zmq state do not
-survive a fork). The parent binds two ipc:// sockets; the child connects:
-
-    parent PUSH --input-->  child PULL    add / abort / stats / shutdown
-    parent PULL <--output-- child PUSH    ready / outputs / error / stats_result / fatal
-
-Every message is a msgpack map with a "type" field; the TypedDicts below are
-the whole schema. After each engine step the child sends ONE `outputs`
-message holding a delta per request that changed: new text, new token ids
-and new logprob entries since the last message, so the wire cost per step is
-independent of how long the completions have grown.
+survive a fork). The parent binds two ipc:// sockets; the child connects.
 
 The child never outlives the parent: the kernel signals it when the parent dies (SIGKILL, OOM)
 and every loop iteration checks, busy or idle; no send to a parent that stopped reading waits
 forever (ParentLink). It then stops as on SIGTERM, saving the KV tiers.
 
-This module imports neither torch nor the engine at import time: the parent
-(API process) uses the schema and the delta types from here.
+This module imports neither torch nor the engine at import time (run_engine_process imports the
+engine in the child).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
 import os
@@ -31,17 +23,23 @@ import signal
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any, Literal, TypedDict
+from dataclasses import asdict
+from typing import Any
 
-import msgpack
 import zmq
 
 from kvserve.config import BlendConfig, EngineConfig
+from kvserve.engine.delta_tracker import DeltaTracker
+from kvserve.engine.wire import (ABORT, ADD, CLEAR_CACHE, ERROR, FATAL, OUTPUTS, PING, READY, SHUTDOWN, SNAPSHOT, STATS,
+                                 STATS_RESULT, STOPPED, AddMsg, ErrorMsg, FatalMsg, ModelInfo, OutputsMsg,
+                                 RequestDeltaWire, SnapshotMsg, StatsResultMsg, StoppedMsg, decode, encode,
+                                 params_from_wire)
 from kvserve.fast_exit import exit_process
 from kvserve.lifetime import die_with_parent, remove_stale_temp_dirs
-from kvserve.outputs import Logprob, PositionLogprobs, RequestMetrics, RequestOutput
-from kvserve.sampling_params import SamplingParams
+
+# Re-exported: kvserve/server/ (accum, metrics, serving, serving_chat, serving_completion, serving_embedding)
+# and some tests still import the deltas (and ModelInfo) from here; import them from wire.py.
+from kvserve.engine.wire import CompletionDelta, RequestDelta  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -60,290 +58,6 @@ PARENT_DEATH_SIGNAL = signal.SIGUSR1
 # While busy, the child sends a stats snapshot this often, so a route that reads the engine's
 # state answers from a recent one when the engine cannot answer a query at once.
 SNAPSHOT_INTERVAL_S = 1.0
-
-# ---- message schema -------------------------------------------------------
-
-# parent -> child
-ADD, ABORT, STATS, CLEAR_CACHE, PING, SHUTDOWN = "add", "abort", "stats", "clear_cache", "ping", "shutdown"
-# child -> parent
-READY, OUTPUTS, ERROR, STATS_RESULT, FATAL = "ready", "outputs", "error", "stats_result", "fatal"
-SNAPSHOT, STOPPED = "snapshot", "stopped"
-
-
-class AddMsg(TypedDict):
-    type: Literal["add"]
-    request_id: str
-    prompt_token_ids: list[int]
-    params: dict[str, Any]  # SamplingParams init fields, see params_to_wire
-    priority: int
-    cache_salt: str | None
-    arrival_time: float | None
-
-
-class AbortMsg(TypedDict):
-    type: Literal["abort"]
-    request_id: str
-
-
-class StatsMsg(TypedDict):
-    type: Literal["stats", "clear_cache", "ping"]  # clear_cache answers with what it removed, ping with {}
-    query_id: int
-
-
-class ShutdownMsg(TypedDict):
-    type: Literal["shutdown"]
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the engine process loaded; sent as the READY message ({"type": "ready", **fields})."""
-
-    model: str | None  # as requested (None: the embedded default model)
-    model_path: str  # resolved path of the loaded weights
-    max_model_len: int
-    vocab_size: int
-    block_size: int
-    num_kv_blocks: int
-    eos_token_id: int | None
-    pid: int
-    max_logprobs: int = 20  # the most (prompt) logprobs a request may ask for
-    # With --kv-events-endpoint: endpoint, replay_endpoint, model_fingerprint, hash_scheme (GET /kv_events)
-    kv_events: dict[str, Any] | None = None
-    # The model's sampling defaults for requests that omit a field (--generation-config), e.g.
-    # {"temperature": 0.6}; models/generation_config.py reads them
-    generation_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # With --enable-blending: the BlendConfig's fields and num_layers, what the server marks and checks
-    # chunks by; None: off
-    blend: dict[str, Any] | None = None
-
-
-# One logprob position on the wire: [[token_id, logprob, rank, decoded_token], ...],
-# the sampled (or actual) token first, as in PositionLogprobs.
-WireLogprobs = list[list[Any]]
-
-
-class CompletionDeltaWire(TypedDict):
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[WireLogprobs] | None
-    cumulative_logprob: float | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-
-
-class RequestDeltaWire(TypedDict):
-    request_id: str
-    completions: list[CompletionDeltaWire]
-    finished: bool
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    cached_tokens_by_tier: dict[str, int]
-    prompt_logprobs: list[WireLogprobs | None] | None  # sent once, with the first token
-    metrics: dict[str, float | None] | None
-    kv_transfer_params: dict[str, Any] | None  # on the finished delta (RequestOutput's)
-    embedding: list[float] | None  # an embedding request's vector, on its finished delta
-
-
-class OutputsMsg(TypedDict):
-    type: Literal["outputs"]
-    deltas: list[RequestDeltaWire]
-
-
-class ErrorMsg(TypedDict):
-    type: Literal["error"]
-    request_id: str
-    message: str
-    kind: Literal["invalid", "kv_load"]  # refused on arrival (a ValueError) | its remote K/V failed
-
-
-class StatsResultMsg(TypedDict):
-    type: Literal["stats_result"]
-    query_id: int
-    stats: dict[str, float | int | str]
-
-
-class SnapshotMsg(TypedDict):
-    """EngineCore.stats() sent unasked while busy (every SNAPSHOT_INTERVAL_S) and with each STATS_RESULT."""
-
-    type: Literal["snapshot"]
-    time: float
-    stats: dict[str, float | int | str]
-
-
-class StoppedMsg(TypedDict):
-    """The child was stopped by a signal sent to it (not by SHUTDOWN); it saves and exits 0."""
-
-    type: Literal["stopped"]
-    signal: int
-
-
-class FatalMsg(TypedDict):
-    type: Literal["fatal"]
-    message: str
-    traceback: str
-
-
-def encode(msg: dict[str, Any]) -> bytes:
-    return msgpack.packb(msg, use_bin_type=True)
-
-
-def decode(buf: bytes) -> dict[str, Any]:
-    return msgpack.unpackb(buf, raw=False, strict_map_key=False)
-
-
-def params_to_wire(params: SamplingParams) -> dict[str, Any]:
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
-
-
-def params_from_wire(d: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(**d)
-
-
-def logprobs_to_wire(pos: PositionLogprobs) -> WireLogprobs:
-    return [[tid, lp.logprob, lp.rank, lp.decoded_token] for tid, lp in pos.items()]
-
-
-def logprobs_from_wire(pos: WireLogprobs) -> PositionLogprobs:
-    return {int(tid): Logprob(lp, rank, text) for tid, lp, rank, text in pos}
-
-
-# ---- the deltas the parent hands to callers --------------------------------
-
-
-@dataclass
-class CompletionDelta:
-    """What one completion gained in one engine step."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[PositionLogprobs] | None
-    cumulative_logprob: float | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-
-    @classmethod
-    def from_wire(cls, d: CompletionDeltaWire) -> CompletionDelta:
-        lps = None if d["logprobs"] is None else [logprobs_from_wire(p) for p in d["logprobs"]]
-        return cls(d["index"], d["text"], list(d["token_ids"]), lps, d["cumulative_logprob"],
-                   d["finish_reason"], d["stop_reason"])
-
-
-@dataclass
-class RequestDelta:
-    """One request's news from one engine step; `outputs` holds only the completions that changed."""
-
-    request_id: str
-    outputs: list[CompletionDelta]
-    finished: bool
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    prompt_logprobs: list[PositionLogprobs | None] | None
-    metrics: RequestMetrics | None
-    cached_tokens_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
-    kv_transfer_params: dict[str, Any] | None = None
-    embedding: list[float] | None = None  # an embedding request's vector (pooling_params.py)
-
-    @classmethod
-    def from_wire(cls, d: RequestDeltaWire) -> RequestDelta:
-        plp = d["prompt_logprobs"]
-        if plp is not None:
-            plp = [None if p is None else logprobs_from_wire(p) for p in plp]
-        metrics = RequestMetrics(**d["metrics"]) if d["metrics"] is not None else None
-        return cls(d["request_id"], [CompletionDelta.from_wire(c) for c in d["completions"]],
-                   d["finished"], d["num_prompt_tokens"], d["num_cached_tokens"], plp, metrics,
-                   d["cached_tokens_by_tier"], d["kv_transfer_params"], d["embedding"])
-
-
-# ---- child side: turning cumulative RequestOutputs into deltas -------------
-
-
-@dataclass
-class _Sent:
-    text: int = 0  # characters
-    tokens: int = 0
-    logprobs: int = 0
-    finished: bool = False
-
-
-@dataclass
-class _Tracked:
-    n: int
-    hold: int  # characters held back: they could still become part of a stop string
-    completions: dict[int, _Sent]
-    prompt_logprobs_sent: bool = False
-
-
-class DeltaTracker:
-    """Remembers what was already sent for each request.
-
-    Text that could be the start of a stop string is held back until decided:
-    a stop string that matches later truncates the text, and text already sent
-    cannot be taken back. Since a match can only start within the last
-    len(stop) - 1 characters of the text before the token that completes it,
-    holding back max(len(stop)) - 1 characters is enough.
-    """
-
-    def __init__(self) -> None:
-        self.requests: dict[str, _Tracked] = {}
-
-    def add(self, request_id: str, params: SamplingParams) -> None:
-        hold = params.stop_holdback
-        self.requests[request_id] = _Tracked(params.n, hold, {i: _Sent() for i in range(params.n)})
-
-    def delta(self, out: RequestOutput) -> RequestDeltaWire | None:
-        tr = self.requests.get(out.request_id)
-        if tr is None:
-            return None
-        comps = [c for c in (self._completion(tr, co) for co in out.outputs) if c is not None]
-        plp = None
-        if out.prompt_logprobs is not None and not tr.prompt_logprobs_sent and (
-                out.finished or any(co.token_ids for co in out.outputs)):
-            plp = [None if p is None else logprobs_to_wire(p) for p in out.prompt_logprobs]
-            tr.prompt_logprobs_sent = True
-        if out.finished:
-            del self.requests[out.request_id]
-        elif not comps and plp is None:
-            return None
-        m = out.metrics
-        return RequestDeltaWire(request_id=out.request_id, completions=comps, finished=out.finished,
-                                num_prompt_tokens=len(out.prompt_token_ids),
-                                num_cached_tokens=out.num_cached_tokens,
-                                cached_tokens_by_tier=out.num_cached_tokens_by_tier, prompt_logprobs=plp,
-                                metrics=dataclasses.asdict(m) if m is not None else None,
-                                kv_transfer_params=out.kv_transfer_params, embedding=out.embedding)
-
-    def _completion(self, tr: _Tracked, co) -> CompletionDeltaWire | None:
-        sent = tr.completions[co.index]
-        if sent.finished:
-            return None
-        finished = co.finish_reason is not None
-        ready = len(co.text) if finished else len(co.text) - tr.hold
-        text = co.text[sent.text:ready] if ready > sent.text else ""
-        tokens = co.token_ids[sent.tokens:]
-        lps = None
-        if co.logprobs is not None:
-            lps = [logprobs_to_wire(p) for p in co.logprobs[sent.logprobs:]]
-            sent.logprobs = len(co.logprobs)
-        if not (text or tokens or finished):
-            return None
-        sent.text, sent.tokens, sent.finished = max(sent.text, ready), len(co.token_ids), finished
-        return CompletionDeltaWire(index=co.index, text=text, token_ids=list(tokens), logprobs=lps,
-                                   cumulative_logprob=co.cumulative_logprob,
-                                   finish_reason=co.finish_reason, stop_reason=co.stop_reason)
-
-    def abort(self, request_id: str) -> RequestDeltaWire | None:
-        """The final delta of an aborted request: its unfinished completions end with 'abort'."""
-        tr = self.requests.pop(request_id, None)
-        if tr is None:
-            return None
-        comps = [CompletionDeltaWire(index=i, text="", token_ids=[], logprobs=None, cumulative_logprob=None,
-                                     finish_reason="abort", stop_reason=None)
-                 for i, s in tr.completions.items() if not s.finished]
-        return RequestDeltaWire(request_id=request_id, completions=comps, finished=True, num_prompt_tokens=0,
-                                num_cached_tokens=0, cached_tokens_by_tier={}, prompt_logprobs=None,
-                                metrics=None, kv_transfer_params=None, embedding=None)
 
 
 # ---- child side: the loop ---------------------------------------------------
