@@ -78,7 +78,7 @@ def _leave_cores_to_engine() -> None:
 
 
 async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
-    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.async_engine import AsyncEngine, load_tokenizer
     from kvserve.server.openai_api import build_app
 
     # The engine process is spawned first, so its imports and model load run beside this
@@ -87,8 +87,6 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
     try:
         await asyncio.sleep(0)  # the task spawns the process before its first await
         _leave_cores_to_engine()  # on this thread: torch's thread count is per thread under OpenMP
-        from kvserve.models.loader import load_tokenizer
-
         tokenizer = await asyncio.to_thread(load_tokenizer, config.model.model)
     except BaseException:
         starting.cancel()  # a start still waiting for READY stops its process (AsyncEngine.start)
