@@ -121,7 +121,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     import os
     import time
 
-    from kvserve.worker.kernels import evidence, tuning
+    from kvserve.kernels import evidence, tuning
 
     if args.clear:
         print(f"removed {evidence.clear_cache()} cached tuning decisions from {evidence.tuning_dir()}")

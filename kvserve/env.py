@@ -30,10 +30,10 @@ FALLBACK_DEPS = ("torch", "transformers", "tokenizers", "safetensors", "gguf", "
 ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
             "MKL_ENABLE_INSTRUCTIONS", "CC")
 # (name shown, module, function): each returns the loaded library or None.
-C_KERNELS = (("paged_decode", "kvserve.attention.cpu_kernel", "load_kernel"),
-             ("qmatmul", "kvserve.worker.kernels.qmatmul", "load"),
-             ("fused ops", "kvserve.worker.kernels.ops", "load"),
-             ("decode stack", "kvserve.worker.kernels.decode_stack", "load"))
+C_KERNELS = (("paged_decode", "kvserve.kernels.paged_attention", "load_kernel"),
+             ("qmatmul", "kvserve.kernels.qmatmul", "load"),
+             ("fused ops", "kvserve.kernels.ops", "load"),
+             ("decode stack", "kvserve.kernels.decode_stack", "load"))
 _SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)  # reports get pasted in public
 
 
@@ -72,7 +72,7 @@ def _versions() -> dict[str, str]:
 
 
 def _cpu() -> dict[str, Any]:
-    from kvserve.worker.kernels import cpu
+    from kvserve.kernels import cpu
 
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"model": cpu.cpu_model(), "machine": platform.machine(), "flags": cpu.reported_flags(),
@@ -106,7 +106,7 @@ def _first_line(cmd: list[str]) -> str:
 
 def _c_kernels() -> dict[str, Any]:
     """The compiler, and whether each library builds and loads here (building it if it is not cached)."""
-    from kvserve.worker.kernels import build
+    from kvserve.kernels import build
 
     cc = build.compiler()
     out: dict[str, Any] = {"compiler": cc, "compiler_version": _attempt(lambda: _first_line([cc, "--version"]))
@@ -117,9 +117,9 @@ def _c_kernels() -> dict[str, Any]:
 
 
 def _tuning_file(path: Path) -> dict[str, Any]:
-    """One cached decision of worker/kernels/tuning.py: what it chooses, the medians, and its
+    """One cached decision of kvserve/kernels/tuning.py: what it chooses, the medians, and its
     evidence (the spread of its rounds, when it was made, why the next start re-measures it)."""
-    from kvserve.worker.kernels import cpu, evidence, tuning
+    from kvserve.kernels import cpu, evidence, tuning
 
     kind = path.name.split("_", 1)[0]
     entry: dict[str, Any] = {"file": path.name, "kind": kind}
@@ -144,8 +144,8 @@ def _tuning_file(path: Path) -> dict[str, Any]:
 
 
 def _bandwidth() -> dict[str, Any] | None:
-    """Memory read bandwidth with torch's threads (worker/kernels/bandwidth.py; measured once, cached)."""
-    from kvserve.worker.kernels import bandwidth
+    """Memory read bandwidth with torch's threads (kvserve/kernels/bandwidth.py; measured once, cached)."""
+    from kvserve.kernels import bandwidth
 
     return bandwidth.read_bandwidth()
 
@@ -160,7 +160,7 @@ def _bandwidth_line(b: Any) -> str:
 
 
 def _cache() -> dict[str, Any]:
-    from kvserve.worker.kernels import build
+    from kvserve.kernels import build
 
     root = build.cache_dir()
     return {"dir": str(root), "kernels": sorted(p.name for p in (root / "kernels").glob("*.so")),
@@ -172,7 +172,7 @@ def _dtype_auto() -> dict[str, Any]:
     import torch
 
     from kvserve.models.loader import open_checkpoint, resolve_dtype
-    from kvserve.worker.kernels import tuning
+    from kvserve.kernels import tuning
 
     config = open_checkpoint(None).config
     dtype = resolve_dtype("auto", "cpu", config)
@@ -202,7 +202,7 @@ def _loads(value: Any) -> str:
 
 
 def _tuning_line(entry: dict[str, Any]) -> str:
-    from kvserve.worker.kernels.tuning import DECODE_ROWS, PREFILL_ROWS
+    from kvserve.kernels.tuning import DECODE_ROWS, PREFILL_ROWS
 
     if "error" in entry:
         return f"error: {entry['error']}"
@@ -270,7 +270,7 @@ def format(info: dict[str, Any]) -> str:
     elif d["measured"]:
         auto = f"{d['dtype']} (measured on its {d['intermediate']}x{d['hidden']} linear at {d['threads']} threads)"
     else:
-        from kvserve.worker.kernels.tuning import TUNING_ENV
+        from kvserve.kernels.tuning import TUNING_ENV
 
         auto = f"{d['dtype']} (by the CPU's flags: {TUNING_ENV}=off)"
     out += ["default model", *_rows([("path", info["default_model"]), ("--dtype auto on CPU", auto)])]

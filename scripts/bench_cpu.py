@@ -20,7 +20,7 @@ issue 30); `decode-only` is the tokens after the first over the time after the f
 bandwidth share is computed from. Bytes read per decoded token = the weights (kvserve: the
 engine's resident weight bytes; llama.cpp: the GGUF's tensor data, which it reads in place) + the
 K/V of the context at the middle of the decode (kvserve in its KV dtype, llama.cpp in F16). The
-share = bytes per token x decode-only tok/s / the read bandwidth (kvserve.worker.kernels.bandwidth:
+share = bytes per token x decode-only tok/s / the read bandwidth (kvserve.kernels.bandwidth:
 a streaming read with --threads threads, measured at the start of each run).
 
 --ppl: what int8 activations cost in perplexity on the default model. Every quantized linear is
@@ -127,7 +127,7 @@ def run_ppl() -> dict:
 
     from kvserve import LLM
     from kvserve.eval.ppl import load_text_tokens, perplexity
-    from kvserve.worker.kernels import tuning
+    from kvserve.kernels import tuning
 
     llm = LLM()
     model = llm.engine.executor.worker.runner.model
@@ -246,7 +246,7 @@ def measure_all(args: argparse.Namespace, configs: list[str], lengths: list[int]
 
     from kvserve.eval.ppl import load_text_tokens
     from kvserve.models.loader import default_model_path, load_tokenizer
-    from kvserve.worker.kernels import bandwidth, cpu
+    from kvserve.kernels import bandwidth, cpu
 
     path = os.path.abspath(args.model) if args.model else default_model_path()
     geo = model_geometry(path)

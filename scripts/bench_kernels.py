@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention import cpu_kernel
-from kvserve.worker.kernels import qmatmul
+from kvserve.kernels import paged_attention
+from kvserve.kernels import qmatmul
 
 def best(fn: Callable[[], object], reps: int) -> float:
     """Best of `reps` timed calls after one warm-up, in seconds."""
@@ -66,7 +66,7 @@ def main() -> None:
         lens = torch.full((b,), ctx, dtype=torch.int64)
         qv = torch.randn(b, hq, d, generator=g)
         kc, vc = (torch.randn(nblk, bs, hkv, d, generator=g) * 0.3 for _ in range(2))
-        t = best(lambda: cpu_kernel.paged_decode(qv, kc, vc, tables, lens, ctx, d ** -0.5), args.reps)
+        t = best(lambda: paged_attention.paged_decode(qv, kc, vc, tables, lens, ctx, d ** -0.5), args.reps)
         print(f"decode attention {b:3d} requests x {ctx} positions, {hq} q / {hkv} kv heads: {t * 1e3:7.2f} ms "
               f"({t / (b * ctx * hkv) * 1e9:.1f} ns per position and kv head)")
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from kvserve import env
-from kvserve.worker.kernels import build, cpu, tuning
+from kvserve.kernels import build, cpu, tuning
 
 
 @pytest.fixture
 def planted_tuning():
-    """Tuning results as worker/kernels/tuning.py writes them, in the session's cache dir (whose
+    """Tuning results as kvserve/kernels/tuning.py writes them, in the session's cache dir (whose
     kernels the other tests share); their names are no key's hash, so nothing else reads them."""
     root = build.cache_dir() / "tuning"
     root.mkdir(parents=True, exist_ok=True)

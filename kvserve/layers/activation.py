@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvserve.worker.kernels import ops
+from kvserve.kernels import ops
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

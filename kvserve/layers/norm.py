@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.worker.kernels import ops
+from kvserve.kernels import ops
 
 
 class RMSNorm(nn.Module):

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvserve.worker.kernels import ops
+from kvserve.kernels import ops
 
 # Rope types whose frequencies depend on the sequence length at run time; a
 # position-indexed cache cannot express them.

@@ -294,7 +294,7 @@ def _tokenizer_cache_dir(path: Path) -> Path:
 
     st = path.stat()
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
-    from kvserve.worker.kernels.build import cache_dir
+    from kvserve.kernels.build import cache_dir
 
     return cache_dir() / "gguf_tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
 

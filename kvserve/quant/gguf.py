@@ -12,7 +12,7 @@ All map onto group size 32 (scale = d or d sc, offset = -8 d, m, -128 d or -dmin
 
 Q5_K and Q6_K (and Q4_K where it shares a fused linear with them: llama.cpp's Q4_K_M puts attn_v
 in Q6_K beside Q4_K q/k) stay as the file's raw rows, a `KQuantWeight`, read in place by
-kvserve/worker/kernels/kquant (layouts in its c/kquant.c). Other types are dequantized by the
+kvserve/kernels/kquant (layouts in its c/kquant.c). Other types are dequantized by the
 loader (gguf_loader).
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from kvserve.quant.base import QuantizedWeight, QuantMethod
-from kvserve.worker.kernels import kquant
+from kvserve.kernels import kquant
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class KQuantWeight:
         return self.dequantize()[:, sl]
 
     def to_quantized(self, name: str = "linear") -> QuantizedWeight:
-        """Q4_K as group-32 codes (exact), for the blocks kernel (kvserve.worker.kernels.qmatmul)."""
+        """Q4_K as group-32 codes (exact), for the blocks kernel (kvserve.kernels.qmatmul)."""
         return repack(self.blocks, self.qtype, name)
 
 
@@ -173,7 +173,7 @@ def keep_vocab_compressed(net: torch.nn.Module, reader, dtype: torch.dtype, devi
     import numpy as np
 
     from kvserve.quant.linear import quantized_linear
-    from kvserve.worker.kernels import qmatmul
+    from kvserve.kernels import qmatmul
 
     embed = getattr(getattr(net, "model", None), "embed_tokens", None)
     head = getattr(net, "lm_head", None)

@@ -2,7 +2,7 @@
 
 The rows stay as the file stores them (Q6_K: 210 bytes per 256 weights, a fifth of float32's), so a
 decode step reads ~4x fewer bytes than a dequantized weight. Below `dense_from` tokens the C kernel
-(kvserve/worker/kernels/kquant) multiplies them with int16 activations; from `dense_from` on,
+(kvserve/kernels/kquant) multiplies them with int16 activations; from `dense_from` on,
 prefill-sized batches are compute-bound, so the weight is dequantized per call and one F.linear
 runs. A fused linear (q/k/v, gate/up) may hold parts of different K-quant types: each is a range of
 output rows. Without the C kernel, or off the CPU, the weight is dequantized once at build instead
@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.quant.gguf import KQuantWeight
-from kvserve.quant.linear import _QuantLinear
-from kvserve.worker.kernels import kquant
+from kvserve.quant.linear import InplaceWeight, _QuantLinear
+from kvserve.kernels import kquant
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,11 @@ class KQuantLinear(_QuantLinear):
         raw = self._buffers["raw"]
         return [(q, raw[off: off + n * kquant.row_bytes(q, self.in_features)].view(n, -1))
                 for q, n, off in self.parts]
+
+    def inplace_weight(self) -> InplaceWeight | None:
+        if self.path != "kquant":
+            return None
+        return InplaceWeight(self.out_features, self.in_features, self.dense_from, kquant_parts=self.part_rows())
 
     def matrix(self) -> kquant.KqMatrix:
         """The C view of the weight (built once; again if the buffer was moved)."""

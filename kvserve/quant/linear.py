@@ -31,6 +31,7 @@ Triton path; tests build it there under Triton's interpreter (TRITON_ON_CPU).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from functools import cache, lru_cache
 from types import ModuleType
 
@@ -41,7 +42,7 @@ from torch import nn
 from kvserve.attention.backend import FP8_MAX, saturate_fp8
 from kvserve.config import triton_interpreting
 from kvserve.quant.base import Fp8Weight, QuantizedWeight
-from kvserve.worker.kernels import qmatmul, tuning
+from kvserve.kernels import qmatmul, tuning
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,22 @@ def _int4_layout() -> tuple[int, bool] | None:
     return None
 
 
+@dataclass(frozen=True)
+class InplaceWeight:
+    """How a quantized linear's weight is read in place by the C kernels, for code that runs them
+    itself (the decode stack, kvserve/worker/decode_stack.py). Either `blocks` (qmatmul.Blocks,
+    multiplied with `activations`, one of qmatmul.MODES) or `kquant_parts` (raw GGUF K-quant rows:
+    kquant.make_matrix's parts, views into the module's buffer). From `dense_from` rows on the module
+    multiplies densely instead. The weight is in input-channel order (no permutation), bias apart."""
+
+    out_features: int
+    in_features: int
+    dense_from: int
+    blocks: qmatmul.Blocks | None = None
+    activations: str = "float32"
+    kquant_parts: list[tuple[int, torch.Tensor]] | None = None
+
+
 class _QuantLinear(nn.Module):
     """Shared plumbing: flatten leading dims, apply the input permutation, add the bias."""
 
@@ -145,6 +162,11 @@ class _QuantLinear(nn.Module):
         """x [M, in] in stored column order -> x @ W_stored.T [M, out] (no bias)."""
         raise NotImplementedError
 
+    def inplace_weight(self) -> InplaceWeight | None:
+        """The weight as the C kernels read it in place, or None where this module does not run one
+        of them (another path, or an input permutation)."""
+        return None
+
     def _stored_weight(self) -> torch.Tensor:
         """W [out, in] in stored column order, float32."""
         raise NotImplementedError
@@ -158,7 +180,7 @@ class _QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, path={self.path}"
 
 
-class _GroupCodes(_QuantLinear):
+class GroupCodesLinear(_QuantLinear):
     """Integer codes with per-group scale/offset: blocks for the C kernel, packed for the CPU int4
     kernel (`planes` 4-bit planes of the input dim: 1 for 4-bit, 2 for 8-bit codes), or kept
     compact (uint8 codes, two 4-bit codes per byte) and read by the Triton GEMM or dequantized
@@ -178,7 +200,7 @@ class _GroupCodes(_QuantLinear):
             self.register_buffer("codes", blocks.codes.to(device))
             self.register_buffer("d", blocks.d.to(device))
             self.register_buffer("c", None if blocks.c is None else blocks.c.to(device))
-            # set by kvserve.worker.kernels.tuning from measurements; these are the untuned defaults
+            # set by kvserve.kernels.tuning from measurements; these are the untuned defaults
             # (dense_dtype: the dense prefill matmul's dtype, None for x's; decode keeps the kernel)
             self.activations, self.dense_from = "float32", tuning.DEFAULT_DENSE_FROM
             self.dense_dtype: torch.dtype | None = None
@@ -263,6 +285,12 @@ class _GroupCodes(_QuantLinear):
             b = self.__dict__["_blocks"] = qmatmul.Blocks(codes, self._buffers["d"], self._buffers["c"], self.bits)
         return b
 
+    def inplace_weight(self) -> InplaceWeight | None:
+        if self.path != "blocks" or self.perm is not None:
+            return None
+        return InplaceWeight(self.out_features, self.in_features, self.dense_from, blocks=self.blocks(),
+                             activations=self.activations)
+
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.path == "blocks":
             if x.shape[0] >= self.dense_from:  # prefill-sized: one dense matmul, on bf16 units if tuning chose them
@@ -286,7 +314,7 @@ class _GroupCodes(_QuantLinear):
         return self._weight_t(torch.float32).t().contiguous()
 
 
-class Int4Linear(_GroupCodes):
+class Int4Linear(GroupCodesLinear):
     """4-bit weights, any group size dividing `in`; CPU int4 kernel where it applies."""
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype,
@@ -298,7 +326,7 @@ class Int4Linear(_GroupCodes):
         self._init_codes(qw, 1, device)
 
 
-class Int8Linear(_GroupCodes):
+class Int8Linear(GroupCodesLinear):
     """8-bit weights. One group per output channel: int8 codes (q - 128) with a per-channel
     scale, plus a rank-one term for asymmetric offsets (the group-code paths "blocks" and
     "triton" take it as one group instead). Smaller groups: the group-code paths."""
@@ -323,7 +351,7 @@ class Int8Linear(_GroupCodes):
         self.register_buffer("shift", None if qw.symmetric else shift.to(device=device, dtype=dtype))
 
     def _group_codes(self) -> bool:
-        """Built by _GroupCodes._init_codes, not as int8 codes with a per-channel scale."""
+        """Built by GroupCodesLinear._init_codes, not as int8 codes with a per-channel scale."""
         return not self.per_channel or self.path in ("blocks", "triton")
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:

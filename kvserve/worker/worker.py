@@ -17,7 +17,7 @@ from kvserve.config import EngineConfig
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.distributed.parallel import Parallel, init_distributed
 from kvserve.models.loader import load_model
-from kvserve.worker.kernels import tuning
+from kvserve.kernels import tuning
 from kvserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)

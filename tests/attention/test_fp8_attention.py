@@ -12,7 +12,8 @@ import random
 import pytest
 import torch
 
-from kvserve.attention import FP8, AttentionMetadata, cpu_kernel, get_backend, quantize_fp8
+from kvserve.attention import FP8, AttentionMetadata, get_backend, quantize_fp8
+from kvserve.kernels import paged_attention
 
 BS, HQ, HKV, D = 4, 8, 2, 16
 K_SCALE, V_SCALE = 2.0**-2, 2.0**-3  # powers of two, as the runner calibrates them
@@ -145,7 +146,7 @@ def test_c_quantize_rounds_like_torch(dtype):
     """The C write's float -> e4m3 conversion equals quantize_fp8 bit for bit: every fp8 value, every
     midpoint between neighbours (ties to even) and the floats either side of it, random values from
     2^-20 to 2^16, saturation and signed zeros; x given as a strided view, as a fused qkv output's."""
-    if cpu_kernel.load_kernel() is None:
+    if paged_attention.load_kernel() is None:
         pytest.skip("no C compiler: the torch path serves fp8 caches")
     torch.manual_seed(0)
     values = torch.arange(256, dtype=torch.uint8).view(FP8).float()
@@ -160,7 +161,7 @@ def test_c_quantize_rounds_like_torch(dtype):
     for scale in (1.0, 2.0**-5, 8.0):
         cache = torch.zeros(fused.shape[0], 1, 1, D, dtype=FP8)
         slots = torch.randperm(fused.shape[0])
-        cpu_kernel.write_fp8(cache, slots, fused, scale)
+        paged_attention.write_fp8(cache, slots, fused, scale)
         assert torch.equal(cache.view(-1, D)[slots].view(torch.uint8), quantize_fp8(x, scale).view(torch.uint8))
 
 
@@ -169,12 +170,12 @@ def test_c_dequant_is_exact_for_every_code():
     all 254 finite codes, subnormals included, to float32 and to bfloat16. Blocks of 254 codes are
     converted 16 at a time with AVX-512 and the last 14 one by one: rotating the codes through 19
     blocks sends every code through both paths."""
-    if cpu_kernel.load_kernel() is None:
+    if paged_attention.load_kernel() is None:
         pytest.skip("no C compiler: the torch path serves fp8 caches")
     codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
     cache = torch.stack([torch.zeros_like(codes)] + [codes.roll(r) for r in range(0, 254, 14)]).view(FP8)
     ids = torch.arange(1, cache.shape[0]).flip(0)
     expected = cache[ids].float() * 0.5
     for dtype in (torch.float32, torch.bfloat16):
-        got = cpu_kernel.dequant_blocks(cache, ids, dtype, 0.5)
+        got = paged_attention.dequant_blocks(cache, ids, dtype, 0.5)
         assert got.dtype == dtype and torch.equal(got.float(), expected.to(dtype).float())

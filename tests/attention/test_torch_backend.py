@@ -83,15 +83,15 @@ def test_decode_groups_cover_every_request_once():
 
 def test_c_kernel_builds_here_and_handles_bf16():
     """The machines this project runs on have a C compiler: the fast path must be live."""
-    from kvserve.attention import cpu_kernel
+    from kvserve.kernels import paged_attention
 
     q = torch.randn(3, 8, 16, dtype=torch.bfloat16)
     kc = torch.randn(10, 4, 2, 16, dtype=torch.bfloat16)
     vc = torch.randn(10, 4, 2, 16, dtype=torch.bfloat16)
-    assert cpu_kernel.supports(q, kc)
+    assert paged_attention.supports(q, kc)
     tables = torch.tensor([[3, 7, 1], [0, 0, 0], [9, 2, 0]])
     lens = torch.tensor([11, 1, 6])
-    out = cpu_kernel.paged_decode(q, kc, vc, tables, lens, 11, 0.25)
+    out = paged_attention.paged_decode(q, kc, vc, tables, lens, 11, 0.25)
     for b in range(3):
         blocks = tables[b, :-(-int(lens[b]) // 4)]
         k = kc[blocks].reshape(-1, 2, 16)[:lens[b]].float()
@@ -105,7 +105,7 @@ def test_c_kernel_leaves_floating_point_state_alone():
     import subprocess
     import sys
 
-    code = ("import sys; from kvserve.attention import cpu_kernel as k; assert k.load_kernel() is not None; "
+    code = ("import sys; from kvserve.kernels import paged_attention as k; assert k.load_kernel() is not None; "
             "print(sys.float_info.min * 0.5 > 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "True", out.stderr
@@ -116,7 +116,7 @@ def test_c_kernel_leaves_floating_point_state_alone():
 def test_c_kernel_head_sizes_and_long_contexts(d, dtype):
     """Wide heads over a few hundred positions (past the kernel's 256-position chunks, with a block
     size that does not divide them), scores spread enough that exp's range matters."""
-    from kvserve.attention import cpu_kernel
+    from kvserve.kernels import paged_attention
 
     g = torch.Generator().manual_seed(d)
     nb, bs, hkv, hq = 90, 12, 2, 6
@@ -125,7 +125,7 @@ def test_c_kernel_head_sizes_and_long_contexts(d, dtype):
     vc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
     tables = torch.randperm(nb, generator=g).view(3, 30)
     lens = torch.tensor([300, 1, 77])
-    out = cpu_kernel.paged_decode(q, kc, vc, tables, lens, 300, d ** -0.5)
+    out = paged_attention.paged_decode(q, kc, vc, tables, lens, 300, d ** -0.5)
     for b in range(3):
         k = kc[tables[b]].reshape(-1, hkv, d)[:lens[b]].float()
         v = vc[tables[b]].reshape(-1, hkv, d)[:lens[b]].float()

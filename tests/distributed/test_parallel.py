@@ -60,7 +60,7 @@ def test_gguf_blocks_shard_under_tp2(monkeypatch):
     """The GGUF's Q4_1 / Q8_0 blocks stay compressed and are cut per rank (rows for q/k/v and
     gate/up, whole 32-column groups for o and down). Exact float activations on both sides: each
     rank measures its own shard's shapes, and may pick other kernels than one rank does."""
-    from kvserve.worker.kernels.tuning import TUNING_ENV
+    from kvserve.kernels.tuning import TUNING_ENV
 
     monkeypatch.setenv(TUNING_ENV, "off")
     ref = _run(TEXT, dtype="float32", kv_cache_memory="64MiB")

@@ -38,7 +38,7 @@ def hf_reference(default_hf_model) -> tuple[list[list[int]], list]:
 def test_default_model_greedy_matches_hf(tuning, monkeypatch, hf_reference):
     """With the kernels chosen by measuring (auto), with no measuring (off), and with int8
     activations allowed (int8: chosen where they measure faster)."""
-    from kvserve.worker.kernels.tuning import INT8_ENV, TUNING_ENV
+    from kvserve.kernels.tuning import INT8_ENV, TUNING_ENV
 
     monkeypatch.setenv(TUNING_ENV, "off" if tuning == "off" else "auto")
     if tuning == "int8":

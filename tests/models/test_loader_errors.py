@@ -151,7 +151,7 @@ def test_resolve_dtype(monkeypatch):
     assert resolve_dtype("auto", device="cuda") == torch.bfloat16
     with pytest.raises(ValueError, match="'float64'"):
         resolve_dtype("float64")
-    from kvserve.worker.kernels import tuning
+    from kvserve.kernels import tuning
 
     seen = []
     monkeypatch.setattr(tuning, "choose_dtype", lambda h, i: seen.append((h, i)) or torch.float16)

@@ -1,4 +1,4 @@
-"""GGUF Q4_K / Q5_K / Q6_K linears read in place (worker/kernels/kquant.py, quant/kquant_linear.py):
+"""GGUF Q4_K / Q5_K / Q6_K linears read in place (kvserve/kernels/kquant.py, quant/kquant_linear.py):
 the kernels against gguf's own dequantizer at every ISA level this CPU runs, the plumbing from a
 GGUF file to KQuantLinear (fused parts of mixed types, tensor-parallel slices, the token table),
 and the decode stack on such a model against the layer path."""
@@ -22,7 +22,7 @@ from kvserve.quant import gguf as qgguf
 from kvserve.quant.base import QuantizedWeight
 from kvserve.quant.kquant_linear import KQuantLinear
 from kvserve.quant.linear import Int4Linear
-from kvserve.worker.kernels import cpu, kquant
+from kvserve.kernels import cpu, kquant
 from tests.models.conftest import PagedRunner, kernel_type, make_hf_checkpoint, tiny_tokenizer, write_llama_gguf  # noqa: F401
 from tests.worker.test_decode_stack import _compare, _generate, _stack
 from tests.worker.test_kernels import AVX2_ENV
@@ -95,7 +95,7 @@ def test_every_isa_level_this_cpu_runs(level, tmp_path):
     if level == "avx2":
         env.update(AVX2_ENV)
     code = ("import json; from tests.quant.test_kquant import check_kquant; "
-            "from kvserve.worker.kernels import cpu, kquant; assert kquant.load() is not None; "
+            "from kvserve.kernels import cpu, kquant; assert kquant.load() is not None; "
             "print(json.dumps({'level': cpu.isa_level(), 'bad': check_kquant()}))")
     root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,

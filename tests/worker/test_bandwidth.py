@@ -1,4 +1,4 @@
-"""Memory read bandwidth (worker/kernels/c/bandwidth.c): a plausible number, measured once per
+"""Memory read bandwidth (kvserve/kernels/c/bandwidth.c): a plausible number, measured once per
 CPU and thread count and then read from the cache."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvserve.worker.kernels import bandwidth
+from kvserve.kernels import bandwidth
 
 pytestmark = pytest.mark.skipif(bandwidth.load() is None, reason="no C compiler: the kernel cannot build")
 

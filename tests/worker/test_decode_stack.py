@@ -1,4 +1,4 @@
-"""The decode stack (worker/kernels/decode_stack.py): small decode batches' layers in one C call.
+"""The decode stack (kvserve/worker/decode_stack.py): small decode batches' layers in one C call.
 
 The same engine runs the same prompts with the stack and with it switched off (layer by layer in
 Python). With blocks weights both paths call the same C sums, but each call site is inlined and
@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.worker.kernels import decode_stack, qmatmul
+from kvserve.kernels import qmatmul
+from kvserve.worker import decode_stack
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0, logprobs=5, ignore_eos=True)
 DENSE_ATOL = 1e-5
@@ -37,7 +38,14 @@ def _llm(model_dir, **kw) -> LLM:
 
 
 def _stack(llm: LLM):
-    return llm.engine.executor.runner.model.model
+    """The model runner, whose `decode_stack` is the fast path (None where it does not run)."""
+    return llm.engine.executor.runner
+
+
+def _enable(runner, dtype: torch.dtype, backend: str) -> bool:
+    """Build the runner's stack again, as its __init__ does; whether it runs."""
+    runner.decode_stack = decode_stack.DecodeStack.build(runner.model, dtype, backend, runner.device)
+    return runner.decode_stack is not None
 
 
 def _generate(llm: LLM, on: bool, monkeypatch, prompts=None) -> tuple[list, int]:
@@ -87,15 +95,15 @@ def test_stack_equals_the_layer_path(tiny_model_factory, monkeypatch, arch, quan
 def test_fp8_kv_and_integer_activations(tiny_model_factory, monkeypatch):
     """fp8 KV: codes written with the layer's scale, read back through the attention kernel's fp8
     path. Int8 and int16 activations: the blocks kernels' other modes, set on every linear."""
-    from kvserve.quant.linear import _GroupCodes
+    from kvserve.quant.linear import GroupCodesLinear
 
     llm = _llm(tiny_model_factory("llama"), quantization="int8", kv_cache_dtype="fp8")
     runner = llm.engine.executor.runner
     for mode in qmatmul.MODES:
         for m in runner.model.modules():
-            if isinstance(m, _GroupCodes):
+            if isinstance(m, GroupCodesLinear):
                 m.activations = mode
-        assert runner.model.enable_decode_stack(torch.float32, runner.attention_backend.name)
+        assert _enable(runner, torch.float32, runner.attention_backend.name)
         on, calls = _generate(llm, True, monkeypatch)
         off, _ = _generate(llm, False, monkeypatch)
         assert calls > 0
@@ -116,15 +124,18 @@ def test_large_batches_and_prefills_take_the_layer_path(tiny_model_factory, monk
 
 def test_what_it_does_not_run(tiny_model_factory, monkeypatch, caplog):
     llm = _llm(tiny_model_factory("llama"), quantization="none")
-    model = llm.engine.executor.runner.model
+    runner = llm.engine.executor.runner
     caplog.set_level(logging.INFO, logger=decode_stack.__name__)
-    assert not model.enable_decode_stack(torch.bfloat16, "cpu")
+    assert not _enable(runner, torch.bfloat16, "cpu")
     assert "decode stack off: dtype torch.bfloat16" in caplog.text
-    assert not model.enable_decode_stack(torch.float32, "triton")
+    assert not _enable(runner, torch.float32, "triton")
     monkeypatch.setenv("KVSERVE_DECODE_STACK", "0")
-    assert not model.enable_decode_stack(torch.float32, "cpu")
+    assert not _enable(runner, torch.float32, "cpu")
     monkeypatch.delenv("KVSERVE_DECODE_STACK")
-    assert model.enable_decode_stack(torch.float32, "cpu")
+    assert not decode_stack.DecodeStack.build(runner.model, torch.float32, "cpu", "cuda")  # a CPU path only
+    assert not decode_stack.DecodeStack.build(runner.model.model, torch.float32, "cpu")  # not a whole model
+    assert "decode stack off: a LlamaModel model" in caplog.text
+    assert _enable(runner, torch.float32, "cpu")
 
 
 def test_caches_it_cannot_use_leave_it_pointing_at_the_runners(tiny_model_factory):
@@ -134,7 +145,7 @@ def test_caches_it_cannot_use_leave_it_pointing_at_the_runners(tiny_model_factor
 
     llm = _llm(tiny_model_factory("llama"), quantization="int8")
     runner = llm.engine.executor.runner
-    stack = runner.model.model.decode_stack
+    stack = runner.decode_stack
     meta = AttentionMetadata(num_decodes=1, query_start_loc=[0, 1], seq_lens=[1], slot_mapping=torch.zeros(1),
                              block_tables=torch.zeros(1, 1), seq_lens_tensor=torch.ones(1), block_size=4)
     assert stack.runs(1, meta, runner.kv_caches)

@@ -1,8 +1,9 @@
-"""The C kernels of kvserve/worker/kernels against torch references, on every ISA level this CPU
+"""The C kernels of kvserve/kernels against torch references, on every ISA level this CPU
 runs (AVX2 imitated on bigger CPUs, as CI does). The tuning rules: test_tuning.py."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 
 from kvserve.layers.rotary import apply_rotary
 from kvserve.quant.base import quantize_rtn
-from kvserve.worker.kernels import cpu, ops, qmatmul
+from kvserve.kernels import build, cpu, decode_stack, kquant, layout, ops, qmatmul
 
 # torch's own kernels held to AVX2 as well (ATen, oneDNN, MKL): the imitation the issue asks CI to run
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
@@ -76,7 +77,7 @@ def test_every_isa_level_this_cpu_runs(level, tmp_path):
     if level == "avx2":
         env.update(AVX2_ENV)
     code = ("import json, sys; from tests.worker.test_kernels import check_qmatmul, check_ops; "
-            "from kvserve.worker.kernels import cpu, decode_stack, qmatmul, ops; "
+            "from kvserve.kernels import cpu, decode_stack, qmatmul, ops; "
             "assert qmatmul.load() is not None and ops.load() is not None and decode_stack.load() is not None; "
             "print(json.dumps({'level': cpu.isa_level(), 'bad': check_qmatmul() + check_ops()}))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
@@ -138,3 +139,88 @@ def check_ops() -> list[str]:
 def test_fused_ops_match_torch():
     assert ops.load() is not None
     assert check_ops() == []
+
+
+def test_ctypes_structs_match_the_c_layout():
+    """Each library's ctypes Structures against its C layout table (checked on load too)."""
+    lib = decode_stack.load()
+    if lib is None:
+        pytest.skip("no C compiler")
+    table = layout.c_layout(lib, "ds_layout")
+    assert set(table) == {"Lin", "Layer", "Dims"}
+    for structure in (decode_stack.Lin, decode_stack.Layer, decode_stack.Dims):
+        layout.check(structure, table)
+    kquant.check_layout(kquant.load())
+
+
+def test_a_reordered_ctypes_struct_fails_loudly():
+    """A Structure whose fields are out of C's order (n and k swapped), one missing a field, or
+    one with a field of the wrong size is refused with a RuntimeError naming the field."""
+    lib = decode_stack.load()
+    if lib is None:
+        pytest.skip("no C compiler")
+    table = layout.c_layout(lib, "ds_layout")
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+
+    class Lin(ctypes.Structure):
+        _fields_ = [("kind", i64), ("act", i64), ("k", i64), ("n", i64), ("w", vp), ("d", vp), ("c", vp),
+                    ("bias", vp)]
+
+    with pytest.raises(RuntimeError, match=r"ctypes struct Lin does not match the C struct Lin.*field k is 8 bytes "
+                                           r"at offset 16 in ctypes, 8 bytes at offset 24 in C"):
+        layout.check(Lin, table)
+
+    class Short(ctypes.Structure):
+        _fields_ = [(n, i64) for n in ("hidden", "hq", "hkv", "d", "inter", "block_size", "kv_kind", "max_k")] \
+            + [("eps", ctypes.c_float)]
+
+    with pytest.raises(RuntimeError, match="field scale of the C struct is missing"):
+        layout.check(Short, table, "Dims")
+
+    class KqPart(ctypes.Structure):
+        _fields_ = [("qtype", ctypes.c_int32), ("rows", i64), ("data", vp)]
+
+    with pytest.raises(RuntimeError, match="field qtype is 4 bytes"):
+        layout.check(KqPart, layout.c_layout(lib, "kq_layout"))
+    with pytest.raises(RuntimeError, match="describes no struct Nope"):
+        layout.check(Lin, table, "Nope")
+
+
+def test_the_build_key_covers_every_file_compiled_in(tmp_path, monkeypatch):
+    """A library's cache key is the text of its .c file and of everything it includes: an edit to
+    a shared header rebuilds every library that includes it (and only those)."""
+    c = tmp_path / "c"
+    c.mkdir()
+    for name in ("common.h", "ops.c", "bandwidth.c"):
+        (c / name).write_text((build.C_DIR / name).read_text())
+    monkeypatch.setattr(build, "C_DIR", c)
+    assert [p.name for p in build.sources("ops.c")] == ["ops.c", "common.h"]
+    ops_key, bw_key = build.source_digest("ops.c"), build.source_digest("bandwidth.c")
+    (c / "common.h").write_text((c / "common.h").read_text() + "\n/* edited */\n")
+    assert build.source_digest("ops.c") != ops_key
+    assert build.source_digest("bandwidth.c") == bw_key
+
+
+def test_no_c_source_in_python_strings():
+    """The kernels' C lives in c/*.c and c/*.h only (shipped as package data)."""
+    from pathlib import Path
+
+    root = Path(build.__file__).parent
+    for py in root.glob("*.py"):
+        text = py.read_text()
+        assert "#include <" not in text and "#pragma omp" not in text, py.name
+    names = {p.name for p in (root / "c").iterdir()}
+    assert {"common.h", "layout.h", "ops.c", "qmatmul.c", "paged_attention.c", "decode_stack.c", "kquant.c",
+            "bandwidth.c"} <= names
+
+
+def test_the_kernels_import_nothing_above_them():
+    """kvserve.kernels is the bottom layer: importing all of it loads no layers, models, quant,
+    attention, worker, engine or server module."""
+    code = ("import sys, kvserve.kernels as k, pkgutil, importlib; "
+            "[importlib.import_module('kvserve.kernels.' + m.name) for m in pkgutil.iter_modules(k.__path__)]; "
+            "above = ('layers', 'models', 'quant', 'attention', 'worker', 'engine', 'server'); "
+            "print(sorted(m for m in sys.modules if m.split('.')[:2][-1] in above and m.startswith('kvserve.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.stdout.strip() == "[]", out.stdout

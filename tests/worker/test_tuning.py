@@ -1,4 +1,4 @@
-"""Tuning that one noisy run cannot fool (kvserve/worker/kernels/tuning.py and evidence.py), with
+"""Tuning that one noisy run cannot fool (kvserve/kernels/tuning.py and evidence.py), with
 injected timings only: the rules, interleaved rounds and their medians, the margins a choice against
 the CPU's features needs, the re-checks of cached decisions at start, the per-phase (bfloat16 dense
 prefill) choice of quantized linears, `kvserve tune --clear` and what `kvserve env` shows."""
@@ -16,10 +16,10 @@ import torch.nn.functional as F
 
 from kvserve import __version__
 from kvserve.quant.base import quantize_rtn
-from kvserve.worker.kernels import cpu, evidence, qmatmul, tuning
+from kvserve.kernels import cpu, evidence, qmatmul, tuning
 
 BF16 = tuning.NATIVE["bfloat16"]
-LOGGER = "kvserve.worker.kernels.tuning"
+LOGGER = "kvserve.kernels.tuning"
 
 
 class Clock:

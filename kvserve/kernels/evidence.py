@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from kvserve import __version__
-from kvserve.worker.kernels import build, cpu
+from kvserve.kernels import build, cpu
 
 logger = logging.getLogger(__name__)
 

@@ -22,20 +22,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvserve.worker.kernels import build, cpu
+from kvserve.kernels import build, cpu
 
 MIN_BYTES, MAX_BYTES = 256 << 20, 1 << 30
 L3_MULTIPLE = 4
 STALE_DAYS = 30
 REPS = 10  # a read of 256 MiB takes ~20 ms: ten cost little and ride out a busy moment
-SOURCE_FILE = Path(__file__).parent / "c" / "bandwidth.c"
 _SIGNATURES = {"bw_measure": [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_double),
                               ctypes.POINTER(ctypes.c_uint64)]}
 
 
 def load() -> ctypes.CDLL | None:
     """The compiled library, or None (no compiler, a failed build, KVSERVE_NO_C_KERNEL=1)."""
-    return build.load_library("bandwidth", SOURCE_FILE.read_text(), _SIGNATURES)
+    return build.load_library("bandwidth", "bandwidth.c", _SIGNATURES)
 
 
 def l3_bytes() -> int | None:

@@ -10,20 +10,17 @@ the caller's F.linear (prefill-sized batches, where the matmul is compute-bound)
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from kvserve.worker.kernels import build
+from kvserve.kernels import build, layout
 
 Q4_K, Q5_K, Q6_K = 12, 13, 14  # GGMLQuantizationType values
 BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}  # per 256 weights
 MAX_PARTS = 4
-SOURCE_FILE = Path(__file__).parent / "c" / "kquant.c"
 
 _vp, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
-    "kq_layout": [_vp],
     "kq_linear": [_vp, _i64, _vp, _i64, _i64, _vp, _i64, _int],
     "kq_dequantize": [_vp, _vp, _int],
 }
@@ -37,19 +34,11 @@ class KqMatrix(ctypes.Structure):
     _fields_ = [("nparts", ctypes.c_int64), ("k", ctypes.c_int64), ("part", KqPart * MAX_PARTS)]
 
 
-def source() -> str:
-    """kquant.c's text (the decode stack compiles it into its own library too)."""
-    return SOURCE_FILE.read_text()
-
-
 def check_layout(lib: ctypes.CDLL) -> None:
-    """The ctypes structs against the C ones (sizeof, offsetof): a field out of order fails here."""
-    got = (ctypes.c_int64 * 6)()
-    lib.kq_layout(got)
-    want = (ctypes.sizeof(KqPart), KqPart.rows.offset, KqPart.data.offset, ctypes.sizeof(KqMatrix),
-            KqMatrix.k.offset, KqMatrix.part.offset)
-    if tuple(got) != want:
-        raise RuntimeError(f"KqPart / KqMatrix layout: C says {tuple(got)}, ctypes {want}")
+    """The ctypes structs against the C ones (kq_layout's sizeof / offsetof): RuntimeError on a mismatch."""
+    table = layout.c_layout(lib, "kq_layout")
+    for structure in (KqPart, KqMatrix):
+        layout.check(structure, table)
 
 
 _lib: ctypes.CDLL | None = None
@@ -58,10 +47,10 @@ _tried = False
 
 def load() -> ctypes.CDLL | None:
     """The compiled library for this CPU's ISA level (build.load_library), or None: callers then
-    dequantize with gguf's numpy code. Kept after the first call (reading the source costs ~20 us)."""
+    dequantize with gguf's numpy code. Kept after the first call."""
     global _lib, _tried
     if not _tried:
-        _lib = build.load_library("kquant", source(), _SIGNATURES)
+        _lib = build.load_library("kquant", "kquant.c", _SIGNATURES)
         if _lib is not None:
             check_layout(_lib)
         _tried = True

@@ -25,7 +25,6 @@ medians that chose it, their spread, and whether the cache was used or why it wa
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from collections.abc import Callable
@@ -34,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.worker.kernels import cpu, qmatmul
-from kvserve.worker.kernels.evidence import SpotPair, decide, entry_noise, spot_check, time_interleaved
+from kvserve.kernels import build, cpu, qmatmul
+from kvserve.kernels.evidence import SpotPair, decide, entry_noise, spot_check, time_interleaved
 
 logger = logging.getLogger(__name__)
 
@@ -273,7 +272,7 @@ def tune_linears(model: nn.Module, dtype: torch.dtype, allow_int8: bool | None =
                                       dtype, bf16))
 
     # the kernels' source is part of the key: a changed kernel is measured again
-    source = hashlib.sha256(qmatmul.SOURCE.encode()).hexdigest()[:16]
+    source = build.source_digest("qmatmul.c")
     entry, how = decide("linears", [sorted(by_shape), str(dtype), source], measure, spot)
     times = entry["times"]
     chosen = choose(times, counts, allow, flags)

@@ -39,6 +39,7 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#include "layout.h"
 
 enum { KQ_Q4_K = 12, KQ_Q5_K = 13, KQ_Q6_K = 14 };  /* GGMLQuantizationType values */
 #define KQ_MAX_PARTS 4
@@ -54,15 +55,12 @@ typedef struct {
     KqPart part[KQ_MAX_PARTS];
 } KqMatrix;
 
-/* sizeof / offsetof of the structs, so the ctypes mirror (kquant.py) is checked against them. */
-void kq_layout(int64_t *out) {
-    out[0] = sizeof(KqPart);
-    out[1] = offsetof(KqPart, rows);
-    out[2] = offsetof(KqPart, data);
-    out[3] = sizeof(KqMatrix);
-    out[4] = offsetof(KqMatrix, k);
-    out[5] = offsetof(KqMatrix, part);
-}
+/* The structs' layout, so the ctypes mirrors (kquant.py) are checked against them (layout.h). */
+KV_LAYOUT_TABLE(kq_layout,
+    KV_LAYOUT_STRUCT(KqPart), KV_LAYOUT_FIELD(KqPart, qtype), KV_LAYOUT_FIELD(KqPart, rows),
+    KV_LAYOUT_FIELD(KqPart, data),
+    KV_LAYOUT_STRUCT(KqMatrix), KV_LAYOUT_FIELD(KqMatrix, nparts), KV_LAYOUT_FIELD(KqMatrix, k),
+    KV_LAYOUT_FIELD(KqMatrix, part))
 
 static inline int64_t kq_block_bytes(int64_t qtype) {
     return qtype == KQ_Q6_K ? 210 : qtype == KQ_Q5_K ? 176 : 144;

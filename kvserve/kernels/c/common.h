@@ -1,0 +1,40 @@
+/* Helpers every kernel source includes (the decode stack compiles several sources as one unit,
+   hence the include guard): e^x that `omp simd` loops vectorize (libm's expf is one call per
+   element, most of the time of a softmax or SiLU), and an AVX2 horizontal sum. */
+#ifndef KVSERVE_COMMON_H
+#define KVSERVE_COMMON_H
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+/* e^x, branch-free: n = round(x log2 e), r = x - n ln 2 in two parts (Cody-Waite), e^r by Cephes'
+   degree-7 expf polynomial, times 2^n put into the exponent bits. Relative error ~2e-7 (a few
+   float ulps); x is clamped to [-87, 88], so e^x never overflows and tiny results stay normal
+   (e^-87 ~ 1.6e-38: nothing a softmax or SiLU sees). */
+static inline float vexpf(float x) {
+    x = x < -87.f ? -87.f : x > 88.f ? 88.f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float e = p * r * r + r + 1.f;
+    int32_t u;
+    memcpy(&u, &e, 4);
+    u += (int32_t)n << 23;
+    memcpy(&e, &u, 4);
+    return e;
+}
+#endif /* KVSERVE_COMMON_H */

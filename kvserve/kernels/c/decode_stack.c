@@ -1,0 +1,156 @@
+/* A decode step's decoder layers in one C call (decode_stack.py; kvserve/worker/decode_stack.py
+   builds the structs from a model). The ops are the layer-by-layer path's own, included here as
+   one compilation unit, so both paths compute the same sums in the same order. */
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+#include "qmatmul.c"
+#include "ops.c"
+#include "paged_attention.c"
+#include "kquant.c"
+#include "layout.h"
+
+/* else kind = bits (4 or 8) of a blocks weight; LIN_KQUANT: raw GGUF K-quant rows (kquant.c) whose
+   parts may differ in type (a fused q/k/v of Q4_K and Q6_K), so the types live in its KqMatrix (w) */
+enum { LIN_DENSE = 0, LIN_KQUANT = 100 };
+typedef struct {
+    int64_t kind, act, n, k;  /* act: qmatmul's ACT_FLOAT / ACT_INT8 / ACT_INT16 */
+    const void *w;          /* dense: float [n, k]; blocks: codes */
+    const void *d;          /* blocks: scales [n, k / 32], float32 or float16 (kind | HALF_SCALES) */
+    const float *c;         /* blocks: offsets [n, k / 32], or NULL */
+    const float *bias;      /* [n] or NULL */
+} Lin;
+typedef struct {
+    const float *in_norm, *post_norm, *q_norm, *k_norm;  /* q_norm / k_norm NULL unless the model has them */
+    Lin qkv, o, gate_up, down;
+    void *k_cache, *v_cache;  /* [num_blocks, block_size, hkv, d] */
+    float k_scale, v_scale;   /* what the cache's codes are multiplied by (1 unless fp8) */
+} Layer;
+typedef struct {
+    int64_t hidden, hq, hkv, d, inter, block_size, kv_kind, max_k;
+    float eps, scale;
+} Dims;
+
+/* The structs' layout, so the ctypes mirrors (decode_stack.py) are checked against them (layout.h). */
+KV_LAYOUT_TABLE(ds_layout,
+    KV_LAYOUT_STRUCT(Lin), KV_LAYOUT_FIELD(Lin, kind), KV_LAYOUT_FIELD(Lin, act), KV_LAYOUT_FIELD(Lin, n),
+    KV_LAYOUT_FIELD(Lin, k), KV_LAYOUT_FIELD(Lin, w), KV_LAYOUT_FIELD(Lin, d), KV_LAYOUT_FIELD(Lin, c),
+    KV_LAYOUT_FIELD(Lin, bias),
+    KV_LAYOUT_STRUCT(Layer), KV_LAYOUT_FIELD(Layer, in_norm), KV_LAYOUT_FIELD(Layer, post_norm),
+    KV_LAYOUT_FIELD(Layer, q_norm), KV_LAYOUT_FIELD(Layer, k_norm), KV_LAYOUT_FIELD(Layer, qkv),
+    KV_LAYOUT_FIELD(Layer, o), KV_LAYOUT_FIELD(Layer, gate_up), KV_LAYOUT_FIELD(Layer, down),
+    KV_LAYOUT_FIELD(Layer, k_cache), KV_LAYOUT_FIELD(Layer, v_cache), KV_LAYOUT_FIELD(Layer, k_scale),
+    KV_LAYOUT_FIELD(Layer, v_scale),
+    KV_LAYOUT_STRUCT(Dims), KV_LAYOUT_FIELD(Dims, hidden), KV_LAYOUT_FIELD(Dims, hq), KV_LAYOUT_FIELD(Dims, hkv),
+    KV_LAYOUT_FIELD(Dims, d), KV_LAYOUT_FIELD(Dims, inter), KV_LAYOUT_FIELD(Dims, block_size),
+    KV_LAYOUT_FIELD(Dims, kv_kind), KV_LAYOUT_FIELD(Dims, max_k), KV_LAYOUT_FIELD(Dims, eps),
+    KV_LAYOUT_FIELD(Dims, scale))
+
+/* One thread's share [n0, n1) of the n outputs. */
+static inline void share(int64_t n, int64_t *n0, int64_t *n1) {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    *n0 = n * t / nt;
+    *n1 = n * (t + 1) / nt;
+}
+
+/* y [m, L->n] (row stride ldy) = x [m, L->k] @ W.T + bias, by every thread of the region; x's
+   block sums / int8 or int16 codes go into xs / xq first (thread 0). Ends at a barrier. */
+static void lin_run(const Lin *L, const float *x, int64_t m, float *y, int64_t ldy, float *xs, void *xq) {
+    const int act = act_for(L->act, m);  /* the rule qlinear applies, so both paths sum alike */
+    const int64_t nb = L->k / 32;
+    if (L->kind == LIN_KQUANT) {  /* int16 codes; scales xd [m nb] and half sums xh [2 m nb] in xs */
+        #pragma omp single
+        kq_quantize(x, L->k, m, L->k, (int16_t *)xq, xs, xs + m * nb, 1);  /* implicit barrier */
+    } else if (L->kind != LIN_DENSE) {
+        #pragma omp single
+        prepare_act(act, x, L->k, m, L->k, xq, xs, 1);  /* implicit barrier */
+    }
+    int64_t n0, n1;
+    share(L->n, &n0, &n1);
+    if (L->kind == LIN_DENSE) {
+        const float *w = (const float *)L->w;
+        for (int64_t n = n0; n < n1; ++n)
+            for (int64_t t = 0; t < m; ++t) {
+                const float *wr = w + n * L->k, *xr = x + t * L->k;
+                float s = 0.f;
+                #pragma omp simd reduction(+:s)
+                for (int64_t i = 0; i < L->k; ++i) s += wr[i] * xr[i];
+                y[t * ldy + n] = s;
+            }
+    } else if (L->kind == LIN_KQUANT) {
+        kq_rows((const KqMatrix *)L->w, (const int16_t *)xq, xs, xs + m * nb, m, y, ldy, n0, n1);
+    } else {
+        qgemm_rows(act, (int)L->kind, L->w, L->d, L->c, L->k, x, L->k, xq, xs, m, y, ldy, n0, n1);
+    }
+    if (L->bias)
+        for (int64_t t = 0; t < m; ++t)
+            for (int64_t n = n0; n < n1; ++n) y[t * ldy + n] += L->bias[n];
+    #pragma omp barrier
+}
+
+/* Layers [0, nlayers) for B decode tokens. h [B, hidden]: in, the embeddings; out, the last layer's
+   MLP output, with res [B, hidden] its residual. cos / sin: [max_pos, d / 2] tables, pos [B];
+   slots [B]; tables [B, ts] block ids; lens [B] sequence lengths including this token. */
+void decode_stack(const Layer *layers, int64_t nlayers, const Dims *dm, int64_t B, float *h, float *res,
+                  const float *cos_, const float *sin_, const int64_t *pos, const int64_t *slots,
+                  const int64_t *tables, int64_t ts, const int64_t *lens, int64_t max_len, int nthreads) {
+    const int64_t H = dm->hidden, d = dm->d, qs = dm->hq * d, kvs = dm->hkv * d, wq = qs + 2 * kvs, I = dm->inter;
+    const int64_t width = dm->hkv * d, g = dm->hq / dm->hkv;
+    float *x = malloc(sizeof(float) * B * H), *qkv = malloc(sizeof(float) * B * wq);
+    float *attn = malloc(sizeof(float) * B * qs), *gu = malloc(sizeof(float) * B * 2 * I);
+    float *act = malloc(sizeof(float) * B * I), *xs = malloc(sizeof(float) * B * (dm->max_k / 32) * 3);
+    void *xq = malloc((size_t)(B * dm->max_k) * sizeof(int16_t));  /* int8 or int16 codes */
+    const float fp8 = dm->kv_kind == ROW_FP8 ? 256.f : 1.f;  /* attend_heads' fp8 convention */
+    #pragma omp parallel num_threads(nthreads)
+    {
+        const float **rows = malloc(sizeof(float *) * ROWS_CHUNK);
+        float *buf = malloc(sizeof(float) * (attend_buf_floats((int)dm->kv_kind, d) + 1));
+        float *scores = malloc(sizeof(float) * g * max_len);
+        for (int64_t l = 0; l < nlayers; ++l) {
+            const Layer *L = layers + l;
+            #pragma omp for schedule(static)
+            for (int64_t t = 0; t < B; ++t)
+                norm_row(h + t * H, l ? res + t * H : 0, res + t * H, L->in_norm, x + t * H, H, dm->eps);
+            if (l == 0) {
+                #pragma omp for schedule(static)
+                for (int64_t t = 0; t < B; ++t) memcpy(res + t * H, h + t * H, sizeof(float) * H);
+            }
+            lin_run(&L->qkv, x, B, qkv, wq, xs, xq);
+            #pragma omp for schedule(static)
+            for (int64_t t = 0; t < B; ++t) {
+                float *q = qkv + t * wq, *k = q + qs, *v = k + kvs;
+                if (L->q_norm) {
+                    for (int64_t j = 0; j < dm->hq; ++j) norm_row(q + j * d, 0, 0, L->q_norm, q + j * d, d, dm->eps);
+                    for (int64_t j = 0; j < dm->hkv; ++j) norm_row(k + j * d, 0, 0, L->k_norm, k + j * d, d, dm->eps);
+                }
+                const float *c = cos_ + pos[t] * (d / 2), *s = sin_ + pos[t] * (d / 2);
+                rotary_row(q, dm->hq, d, c, s);
+                rotary_row(k, dm->hkv, d, c, s);
+                if (dm->kv_kind == ROW_FP8) {
+                    write_fp8(k, 0, 0, slots + t, 1, width, 1.f / L->k_scale, L->k_cache);
+                    write_fp8(v, 0, 0, slots + t, 1, width, 1.f / L->v_scale, L->v_cache);
+                } else {
+                    memcpy((float *)L->k_cache + slots[t] * width, k, sizeof(float) * width);
+                    memcpy((float *)L->v_cache + slots[t] * width, v, sizeof(float) * width);
+                }
+            }
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < B * dm->hkv; ++i) {
+                const int64_t t = i / dm->hkv, kh = i % dm->hkv;
+                attend_heads(qkv + t * wq, L->k_cache, L->v_cache, tables + t * ts, lens[t], dm->hq, dm->hkv, d,
+                             dm->block_size, (int)dm->kv_kind, dm->scale * L->k_scale * fp8, L->v_scale * fp8,
+                             kh, kh + 1, attn + t * qs, rows, buf, scores);
+            }
+            lin_run(&L->o, attn, B, h, H, xs, xq);
+            #pragma omp for schedule(static)
+            for (int64_t t = 0; t < B; ++t)
+                norm_row(h + t * H, res + t * H, res + t * H, L->post_norm, x + t * H, H, dm->eps);
+            lin_run(&L->gate_up, x, B, gu, 2 * I, xs, xq);
+            #pragma omp for schedule(static)
+            for (int64_t t = 0; t < B; ++t) silu_mul_row(gu + t * 2 * I, act + t * I, I);
+            lin_run(&L->down, act, B, h, H, xs, xq);
+        }
+        free(rows); free(buf); free(scores);
+    }
+    free(x); free(qkv); free(attn); free(gu); free(act); free(xs); free(xq);
+}

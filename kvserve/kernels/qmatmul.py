@@ -1,0 +1,154 @@
+"""Matmuls that read 4- and 8-bit weights in place: y = x @ W.T with W in blocks of 32 weights.
+
+Layout (`Blocks`), one per weight [N, K], K a multiple of 32:
+  codes  4-bit: uint8 [N, K/2]; in each 32-weight block byte j holds weight j (low nibble) and
+         weight j+16 (high nibble), GGUF's Q4_0/Q4_1 order.  8-bit: int8 [N, K], signed codes.
+  d, c   float32 [N, K/32]: weight = code * d + c with signed codes: a nibble minus 8 (-8..7),
+         or the int8 (-128..127); c is None (NULL in C) where every offset is 0, as in the
+         symmetric Q4_0 / Q8_0: a sixth fewer bytes per 4-bit weight. Centred codes halve the error of int8 activations against
+         unsigned ones (each rounding error of x is weighted by the code).
+Every GGUF Q4_0/Q4_1/Q8_0/Q4_K block and our int4/int8 group layouts (group sizes that are
+multiples of 32, per-channel included) map onto it exactly.
+
+Three ways to multiply, all in C with one AVX2 body (VNNI dot products where the ISA level has
+them, AVX-512VL+VNNI or AVX-VNNI) and a plain C body elsewhere:
+  float activations ("float32"): codes become floats in registers (by in-lane byte shuffles;
+    4-bit nibbles uncentred, their 8 d taken off with the offsets); exact up to summation order.
+    Below PANEL_FROM tokens each weight row is decoded once per 4 tokens and dotted with them;
+    from PANEL_FROM tokens on, 16 rows at a time are decoded into a transposed float panel that
+    an outer-product register tile (6 tokens x 16 rows) sweeps, as a dense GEMM does: within a
+    few percent of MKL on the dequantized weight, without writing the whole weight out.
+  int16 activations ("int16", below PANEL_FROM tokens; from there the float panels): each token's
+    32-value block becomes int16 codes and a scale (amax / 32767), and the weight's codes are
+    widened to int16 in registers by one in-lane shuffle (no float conversion per weight): pairs
+    of products summed by vpmaddwd (vpdpwssd with VNNI), one float FMA per block. ~1.6x the
+    float path's speed at one token on Zen 3, with a relative error of ~2e-5 (int8's is ~5e-3).
+  int8 activations ("int8"): each token's 32-value block becomes int8 codes and a scale, as
+    llama.cpp's Q8 dot products do; the weight offset uses the block's exact float sum.
+    Fewer instructions per weight; what it costs in perplexity is in BENCHMARKS.md. Used at every
+    batch size once chosen (mixing them by batch size moved the default model's logprobs further
+    from HF's), though from PANEL_FROM tokens the float panel path is faster.
+`dequantize` writes W as float32 for the dense path (when tuning finds MKL faster).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.kernels import build
+
+logger = logging.getLogger(__name__)
+
+HALF_SCALES = 16  # or'ed into Blocks.kind: float16 scales (c/qmatmul.c's HALF_SCALES)
+MODES = ("float32", "int8", "int16")  # activations: exact floats, or int8 / int16 codes per 32-value block
+_i64, _vp, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_SIGNATURES = {  # the two entry points; the rest of the source is static
+    "dequantize": [_int, _vp, _vp, _vp, _i64, _i64, _vp, _int],
+    "qlinear": [_int, _vp, _vp, _vp, _i64, _i64, _vp, _i64, _i64, _vp, _i64, _int, _int],
+}
+_lib: ctypes.CDLL | None = None
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled library (build.load_library), or None: callers then use torch ops."""
+    global _lib
+    _lib = build.load_library("qmatmul", "qmatmul.c", _SIGNATURES)
+    return _lib
+
+
+@dataclass
+class Blocks:
+    """A weight [N, K] in the layout of the module docstring (tensors on the CPU, contiguous)."""
+
+    codes: torch.Tensor  # 4-bit: uint8 [N, K/2]; 8-bit: int8 [N, K]
+    d: torch.Tensor  # float32 [N, K/32], or float16 where that holds every scale exactly
+    c: torch.Tensor | None  # float32 [N, K/32]; None where every offset is 0 (symmetric codes: Q4_0, Q8_0)
+    bits: int
+
+    @property
+    def kind(self) -> int:
+        """`bits` as the C entry points take it: HALF_SCALES or'ed in when d is float16."""
+        return self.bits | (HALF_SCALES if self.d.dtype == torch.float16 else 0)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.d.shape[0], self.d.shape[1] * 32
+
+    @staticmethod
+    def from_codes(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int) -> Blocks:
+        """Unsigned codes q [N, K] (0..2^bits-1) with per-group scale / offset [N, G], K / G a
+        multiple of 32: weight = q * scale + offset."""
+        n, k = q.shape
+        if k % 32 or (k // scale.shape[1]) % 32:
+            raise ValueError(f"blocks need groups of a multiple of 32 weights, got [{n}, {k}] in {scale.shape[1]} groups")
+        f = k // 32 // scale.shape[1]
+        d = scale.float().repeat_interleave(f, 1).contiguous()
+        c = offset.float().repeat_interleave(f, 1)
+        q = q.to(torch.int16)
+        if bits == 4:  # nibbles as they are; the offset absorbs the centring 8 * scale
+            b = q.to(torch.uint8).view(n, k // 32, 2, 16)
+            codes = (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, k // 2)
+            c = c + 8 * d
+        else:  # signed codes q - 128: the offset absorbs 128 * scale
+            codes = (q - 128).to(torch.int8)
+            c = c + 128 * d
+        # Symmetric codes (GGUF Q4_0 / Q8_0, symmetric int4 / int8) have no offsets: not storing
+        # them saves a sixth of a 4-bit weight's bytes, and each row's offsets dot product.
+        c = None if not c.any() else c.contiguous()
+        # Scales that float16 holds exactly (a GGUF Q4_0 / Q8_0 scale is a float16) are kept so:
+        # with no offsets, a 4-bit weight is 18 bytes per 32 weights, as in the file.
+        half = d.to(torch.float16)
+        if c is None and torch.equal(half.float(), d):
+            d = half
+        return Blocks(codes.contiguous(), d, c, bits)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.c) if t is not None)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def matmul(x: torch.Tensor, w: Blocks, mode: str) -> torch.Tensor:
+    """x [M, K] float32 (rows may be strided, elements dense) -> x @ W.T [M, N] float32."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = w.d.shape[0]
+    y = torch.empty(m, n)
+    (_lib or load()).qlinear(w.kind, w.codes.data_ptr(), w.d.data_ptr(), _ptr(w.c), n, k, x.data_ptr(), x.stride(0), m,
+                 y.data_ptr(), n, MODES.index(mode), torch.get_num_threads())
+    return y
+
+
+def dequantize(w: Blocks) -> torch.Tensor:
+    """W [N, K] float32."""
+    lib = load()
+    assert lib is not None
+    n, k = w.shape
+    out = torch.empty(n, k)
+    lib.dequantize(w.kind, w.codes.data_ptr(), w.d.data_ptr(), _ptr(w.c), n, k, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def reference(w: Blocks) -> torch.Tensor:
+    """W [N, K] float32 from torch ops alone (tests, and machines without a compiler)."""
+    n, k = w.shape
+    if w.bits == 4:
+        b = w.codes.view(n, k // 32, 16)
+        q = torch.cat([b & 15, b >> 4], -1).float() - 8
+    else:
+        q = w.codes.view(n, k // 32, 32).float()
+    w8 = q * w.d.float()[..., None]
+    return (w8 if w.c is None else w8 + w.c[..., None]).view(n, k)
+
+
+def supports(in_features: int, group_size: int, device: torch.device) -> bool:
+    """A weight with this input size and group size can be stored as Blocks and run here."""
+    return (device.type == "cpu" and in_features % 32 == 0 and group_size % 32 == 0
+            and load() is not None)
