@@ -32,5 +32,7 @@ browser:
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium chromium-driver; }
 
+# Import contracts first (.importlinter: the layering; a broken one names the import), then the tests.
 test: setup redis browser
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
