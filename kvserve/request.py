@@ -68,9 +68,9 @@ class Request:
         self.num_cached_tokens_by_tier: dict[str, int] = {}  # the same, split by where the K/V came from
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []
-        # Blocks from this index on may hold approximate K/V (chunks reused out of order, blend/):
-        # the prefix cache keys them apart from exactly computed ones (`block_salt`). None: all exact.
-        self.approx_from_block: int | None = None
+        # (first block, salt): blocks from that index on hold K/V a KV connector writes in its own
+        # way (KVConnector.block_salt), so the prefix cache keys them apart. None: all plain.
+        self.extra_salt: tuple[int, str] | None = None
         # Requests asking for prompt logprobs, or mean-pooled embeddings, need every prompt position computed.
         pooling = pooling_params(sampling_params)
         self.skip_prefix_cache = (sampling_params.prompt_logprobs is not None
@@ -89,10 +89,10 @@ class Request:
         return len(self.all_token_ids)
 
     def block_salt(self, index: int) -> str | None:
-        """The salt block `index` is hashed with: cache_salt, or a variant of it for approximate blocks."""
-        if self.approx_from_block is None or index < self.approx_from_block:
+        """The salt block `index` is hashed with: cache_salt, joined by `extra_salt` from its block on."""
+        if self.extra_salt is None or index < self.extra_salt[0]:
             return self.cache_salt
-        return f"{self.cache_salt or ''}\x00approx"
+        return f"{self.cache_salt or ''}\x00{self.extra_salt[1]}"
 
     @property
     def num_output_tokens(self) -> int:

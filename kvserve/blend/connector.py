@@ -12,14 +12,14 @@ The scheduler half offers a blended request's blocks from where its device (and 
 up to the last full block of its last chunk (the "span"), as hits of origin "blend". When the
 request is scheduled, each chunk's blocks are looked up (device, then tiers) and held; a chunk's
 blocks found nowhere are allocated and computed on their own first, in the same step (a warm-up),
-so the cache has them next time. The plan goes to the worker half (forward.py), which copies the
+so the cache has them next time. The plan goes to the worker role (forward.py's BlendWorker, inside the rank), which copies the
 chunks' K/V into the request's blocks re-rotated to their positions, recomputes every token of the
 span through the first layers, picks the tokens whose V moved most from the reused copy, weighed
 by the attention the question pays them, and recomputes those through the remaining layers. The
 rest of the prompt (the question after the last chunk) runs in the step's ordinary forward.
 
-The span's blocks hold approximate K/V: the request keys them apart in the prefix cache
-(`Request.approx_from_block`), so a plain prefill never reuses them. (A later prompt with the same
+The span's blocks hold approximate K/V: the connector has the prefix cache key them apart
+(`block_salt`), so a plain prefill never reuses them. (A later prompt with the same
 chunks in the same order but another question reuses them as they are, picked for the first
 question.)
 """
@@ -33,9 +33,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.blend.chunks import BLENDED, RECOMPUTED, blend_spec
+from kvserve.blend.chunks import BLENDED, RECOMPUTED, blend_spec, check_blend_spec
 from kvserve.config import BlendConfig
-from kvserve.core.kv_connector import EvictedBlock, KVConnector, KVConnectorWorker, TierHit
+from kvserve.core.kv_connector import EvictedBlock, KVConnector, TierHit
 from kvserve.core.prefix_cache import compute_block_hashes
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.request import Request
@@ -103,21 +103,36 @@ class BlendResult:
     fallback: bool
 
 
-class BlendConnector(KVConnector, KVConnectorWorker):
-    def __init__(self, cfg: BlendConfig, kv: Any, tiers: KVConnector | None = None) -> None:
+class BlendConnector(KVConnector):
+    """The scheduler role; the engine thread calls everything. Its worker role is forward.py's
+    BlendWorker, whose results come back through `update_connector_output`."""
+
+    name = "blend"
+
+    def __init__(self, cfg: BlendConfig, kv: Any, num_layers: int, tiers: KVConnector | None = None) -> None:
         self.cfg = cfg
         self.kv = kv  # the KVCacheManager: chunks are looked up, held and allocated in its pool
+        self.num_layers = num_layers
         self.tiers = tiers  # where chunks evicted from the device are found again
         self.block_size = kv.block_size
         self._ids = itertools.count()
         self._step = BlendStepMeta()
         self._requests: dict[str, Request] = {}  # planned this step, for their usage split
         self._holders: list[Request] = []  # chunks held for this step (pseudo requests of the KV manager)
+        self._warmup: dict[str, int] = {}  # request -> warm-up tokens planned for it this step
         self.recent: deque[BlendResult] = deque(maxlen=256)  # the last blends' results, to inspect
         self.counts = {"requests": 0, "blended_tokens": 0, "recomputed_tokens": 0, "fallbacks": 0,
                        "warmup_tokens": 0}
 
     # ---- scheduler half ---------------------------------------------------------
+
+    def validate_request(self, params: Any, num_prompt_tokens: int) -> None:
+        check_blend_spec(blend_spec(params), self.cfg, num_prompt_tokens, self.num_layers)
+
+    def block_salt(self, request: Request) -> tuple[int, str] | None:
+        """The blocks from the first chunk's on may hold reused (approximate) K/V."""
+        spec = blend_spec(request.sampling_params)
+        return None if spec is None else (spec["chunks"][0][0] // self.block_size, "approx")
 
     def on_evict(self, block: EvictedBlock) -> None:
         pass
@@ -190,7 +205,12 @@ class BlendConnector(KVConnector, KVConnectorWorker):
         if num_new:
             self._step.warmups.append(Warmup(tokens[:n * bs], n * bs - num_new, list(holder.block_ids)))
             self.counts["warmup_tokens"] += num_new
+            self._warmup[request.request_id] = self._warmup.get(request.request_id, 0) + num_new
         return list(holder.block_ids)
+
+    def extra_tokens(self, request: Request) -> int:
+        """The chunks' warm-ups run in the step beside the request's own tokens."""
+        return self._warmup.pop(request.request_id, 0)
 
     def build_meta(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> BlendStepMeta | None:
         meta, self._step = self._step, BlendStepMeta()
@@ -208,17 +228,15 @@ class BlendConnector(KVConnector, KVConnectorWorker):
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        self._warmup.pop(request_id, None)
 
     def stats(self) -> dict[str, Any]:
         return {f"blend_{k}": v for k, v in self.counts.items()}
 
-    # ---- worker half ------------------------------------------------------------
-
-    def before_forward(self, meta: BlendStepMeta | None, runner: Any) -> None:
-        if meta is None:
-            return
-        results: dict[str, BlendResult] = runner.blend(meta)
-        for rid, res in results.items():
+    def update_connector_output(self, output: dict[str, BlendResult] | None) -> None:
+        """The step is done: count what the worker did to each span, and let the chunks' blocks go
+        (they stay cached, no longer held)."""
+        for rid, res in (output or {}).items():
             self.recent.append(res)
             self.counts["requests"] += 1
             self.counts["blended_tokens"] += res.blended
@@ -230,9 +248,6 @@ class BlendConnector(KVConnector, KVConnectorWorker):
                 req.num_cached_tokens -= split.pop(BLEND_ORIGIN, 0)
                 split[BLENDED] = split.get(BLENDED, 0) + res.blended
                 split[RECOMPUTED] = split.get(RECOMPUTED, 0) + res.recomputed
-
-    def after_forward(self, meta: BlendStepMeta | None, runner: Any) -> None:
-        """The step is done with the chunks' blocks: they stay cached, no longer held."""
         for holder in self._holders:
             self.kv.free(holder)
             if self.tiers is not None:

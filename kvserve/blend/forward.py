@@ -1,4 +1,4 @@
-"""The worker half of blending: warm-ups, re-rotation, the check layer and selective recompute.
+"""The worker role of blending (BlendWorker, inside the rank): warm-ups, re-rotation, the check layer and selective recompute.
 
 For one span [start, end) of a request (connector.py's BlendPlan):
 
@@ -29,8 +29,8 @@ import torch
 from kvserve.attention import FP8, AttentionMetadata
 from kvserve.attention.backend import quantize_fp8
 from kvserve.blend.connector import BlendPlan, BlendResult, BlendStepMeta, Warmup, num_to_recompute
+from kvserve.core.kv_connector import KVConnectorWorker
 from kvserve.distributed.parallel import IntermediateTensors
-from kvserve.layers.rotary import apply_rotary, compute_inv_freq
 
 
 @torch.inference_mode()
@@ -104,15 +104,6 @@ def _scales(runner, layer: int) -> tuple[float, float]:
     return k, v
 
 
-def _rotation(runner, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [n, 1, D/2] (float32) rotating K by each token's offset (no RoPE scaling factor: the
-    reused K carries it already)."""
-    rot = runner.model.model.rotary_emb
-    inv_freq, _ = compute_inv_freq(rot.head_dim, rot.params, rot.max_position)
-    angles = offsets.double()[:, None] * inv_freq.double()[None, :]
-    return angles.cos().float()[:, None], angles.sin().float()[:, None]
-
-
 def _copy_chunks(runner, plan: BlendPlan, dst_slots: torch.Tensor) -> torch.Tensor:
     """Write every source's K/V into the span's slots (K re-rotated); returns which of the span's
     tokens were supplied [n] bool."""
@@ -127,12 +118,11 @@ def _copy_chunks(runner, plan: BlendPlan, dst_slots: torch.Tensor) -> torch.Tens
         reused[s.start - plan.start:s.end - plan.start] = True
     if not src:
         return reused
-    src_t, dst_t = torch.cat(src).to(dev), torch.cat(dst).to(dev)
-    cos, sin = (x.to(dev) for x in _rotation(runner, torch.cat(off)))
+    src_t, dst_t, offsets = torch.cat(src).to(dev), torch.cat(dst).to(dev), torch.cat(off)
     for layer, (k_cache, v_cache) in enumerate(runner.kv_caches):
         k_scale, v_scale = _scales(runner, layer)
         k = _read(k_cache, src_t, k_scale)
-        _write(k_cache, dst_t, apply_rotary(k, cos, sin), k_scale)
+        _write(k_cache, dst_t, runner.model.rerotate_keys(k, offsets), k_scale)
         v_rows = _rows(v_cache).view(torch.uint8) if v_cache.dtype == FP8 else _rows(v_cache)
         v_rows.index_copy_(0, dst_t, v_rows[src_t])
     return reused
@@ -161,28 +151,19 @@ def _question_attention(runner, plan: BlendPlan, check: int) -> torch.Tensor | N
     it writes on the way are rewritten by the step's forward. None when there is no question."""
     if plan.query_end <= plan.end or check + 1 >= len(runner.kv_caches):
         return None
-    bs, dev = runner.block_size, runner.device
-    model = runner.model.model
+    bs, dev, model = runner.block_size, runner.device, runner.model
     num_layers = len(runner.kv_caches)
     ids = torch.tensor(plan.token_ids[plan.end:plan.query_end], dtype=torch.int64, device=dev)
     positions = torch.arange(plan.end, plan.query_end)
     meta = _prefill_meta(runner, [plan.block_ids], [len(ids)], [plan.query_end],
                          _slots(plan.block_ids, positions, bs))
-    queries: dict[int, torch.Tensor] = {}
-    hooks = [model.layers[i].self_attn.attn.register_forward_pre_hook(
-        lambda _m, args, i=i: queries.__setitem__(i, args[0].float().clone())) for i in range(check + 1, num_layers)]
-    try:  # two calls: one over every layer could take the decode stack, which calls no hooks
-        hidden = runner.model(ids, positions.to(dev), runner.kv_caches, meta, layers=(0, check + 1))
-        runner.model(ids, positions.to(dev), runner.kv_caches, meta, hidden, layers=(check + 1, num_layers))
-    finally:
-        for h in hooks:
-            h.remove()
+    with model.probe_queries(range(check + 1, num_layers)) as queries:
+        model(ids, positions.to(dev), runner.kv_caches, meta)
     keys = _slots(plan.block_ids, torch.arange(plan.query_end), bs).to(dev)
     total = torch.zeros(plan.query_end, dtype=torch.float32, device=dev)
     for i, q in queries.items():
-        attn = model.layers[i].self_attn.attn
         k = _read(runner.kv_caches[i][0], keys, _scales(runner, i)[0])
-        total += attention_mass(q.view(len(ids), attn.num_heads, attn.head_dim), k, positions.to(dev), attn.scale)
+        total += attention_mass(q, k, positions.to(dev), model.attention_scale)
     return total[plan.start:plan.end].cpu()
 
 
@@ -240,3 +221,21 @@ def _blend(runner, plan: BlendPlan) -> BlendResult:
                      layers=(first, num_layers))
     recomputed = int(picked.sum())
     return BlendResult(blended=n - recomputed, recomputed=recomputed, deviation=deviation, fallback=fallback)
+
+
+class BlendWorker(KVConnectorWorker):
+    """Blending's worker role, built inside the rank (which holds the whole model: blending runs
+    on one rank). Its results go back in the step's output to BlendConnector."""
+
+    def __init__(self) -> None:
+        self._results: dict[str, BlendResult] | None = None
+
+    def before_forward(self, meta: BlendStepMeta | None, runner) -> None:
+        self._results = run_blend(runner, meta) if meta is not None else None
+
+    def after_forward(self, meta: BlendStepMeta | None, runner) -> None:
+        pass
+
+    def take_output(self) -> dict[str, BlendResult] | None:
+        out, self._results = self._results, None
+        return out

@@ -13,15 +13,20 @@ The scheduler and the KV manager stay pure bookkeeping and know only this interf
   `finished_sending` names it.
 - the **worker half** (`KVConnectorWorker`) moves the bytes, carrying out the plan around the
   step's forward: `before_forward` (offloads are read out before anything is written, then
-  loaded blocks are written in) and `after_forward` (K/V the forward computed).
+  loaded blocks are written in) and `after_forward` (K/V the forward computed). A connector's
+  worker role built inside each rank (`kvserve/engine/connectors.py` names it) runs in
+  `ModelRunner.execute` with that rank's runner, and what it reports (`take_output`) comes back
+  in `ModelRunnerOutput.kv_connector_output[name]` to the scheduler half's
+  `update_connector_output`. (The KV tiers' and P/D's worker halves still run in the engine
+  process, reaching the ranks through the executor.)
 
-A feature's per-request state lives in its connector, keyed by request id, not on `Request`.
+A feature's per-request state lives in its connector, keyed by request id, not on `Request`; what
+a request asks of a connector travels in `SamplingParams.extra_args[<its request key>]`, checked
+by `validate_request` before the request is queued.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -52,34 +57,23 @@ class TierHit:
     origin: str  # where it came from, for the cached-token split ("cpu", "disk", "remote", ...)
 
 
-class FinishedLoads:
-    """Request ids whose background load has finished, handed from loader threads to the engine
-    thread: what a connector's `finished_loading` and `wait` read."""
-
-    def __init__(self) -> None:
-        self._ids: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._event = threading.Event()
-
-    def put(self, request_id: str) -> None:
-        self._ids.put(request_id)
-        self._event.set()
-
-    def drain(self) -> list[str]:
-        out = []
-        while True:
-            try:
-                out.append(self._ids.get_nowait())
-            except queue.Empty:
-                self._event.clear()
-                return out
-
-    def wait(self, timeout: float) -> None:
-        """Until a load finishes (one not drained yet counts) or `timeout` passes."""
-        self._event.wait(timeout)
-
-
 class KVConnector(ABC):
-    """The scheduler half: pure bookkeeping, no torch."""
+    """The scheduler half: pure bookkeeping, no torch. `name` keys its step metadata and its
+    worker role's output."""
+
+    name: str = "kv"
+
+    # ---- requests that arrive ---------------------------------------------------------
+
+    def validate_request(self, params: Any, num_prompt_tokens: int) -> None:
+        """Raise ValueError naming the field when this connector cannot serve the request (called
+        before it is queued, for every enabled connector)."""
+
+    def block_salt(self, request: Request) -> tuple[int, str] | None:
+        """(first block, salt): the request's blocks from that index on hold K/V this connector
+        writes approximately, so the prefix cache keys them apart (`Request.extra_salt`). None:
+        every block is exact."""
+        return None
 
     # ---- blocks in and out of the device pool ----------------------------------
 
@@ -100,6 +94,11 @@ class KVConnector(ABC):
     @abstractmethod
     def on_allocated(self, request: Request, block_ids: list[int], hits: list[TierHit]) -> None:
         """The request was scheduled: block_ids[i] takes hits[i]'s K/V in this step."""
+
+    def extra_tokens(self, request: Request) -> int:
+        """Tokens the worker computes for the request in this step besides its scheduled ones
+        (asked right after `on_allocated`): charged to the step's token budget."""
+        return 0
 
     @abstractmethod
     def build_meta(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> Any:
@@ -144,6 +143,10 @@ class KVConnector(ABC):
         where a decode engine fetches it), once."""
         return None
 
+    def update_connector_output(self, output: Any) -> None:
+        """What this connector's worker role reported for a finished step (`take_output` on the
+        output rank); called before the step's tokens are processed."""
+
     def stats(self) -> dict[str, Any]:
         """Counters for the engine's stats (and /metrics)."""
         return {}
@@ -157,8 +160,10 @@ class KVConnector(ABC):
 
 
 class KVConnectorWorker(ABC):
-    """The worker half: carries out the scheduler half's plan around the forward. `runner`
-    reads and writes whole device blocks (`read_kv_blocks` / `write_kv_blocks`) on every rank."""
+    """The worker half: carries out the scheduler half's plan around the forward. Inside a rank
+    `runner` is that rank's ModelRunner; in the engine process (the tiers and P/D, for now) it is
+    the executor, which reads and writes whole blocks on every rank. Called with `meta` None on
+    steps the scheduler half planned nothing for."""
 
     @abstractmethod
     def before_forward(self, meta: Any, runner: Any) -> None:
@@ -168,21 +173,38 @@ class KVConnectorWorker(ABC):
     def after_forward(self, meta: Any, runner: Any) -> None:
         """After the step's forward: its K/V are in the blocks."""
 
+    def take_output(self) -> Any:
+        """What the scheduler half's `update_connector_output` hears of this step (None: nothing)."""
+        return None
+
 
 class MultiConnector(KVConnector, KVConnectorWorker):
     """Several connectors as one (vLLM's MultiConnector), e.g. the KV tiers and prefill/decode
     transfer on one engine. Each hears every eviction and every request. A lookup asks them in
     order, each from where the previous one's hits end, and the allocated blocks go back to
     the connector whose hits they take. A request waits while any of them loads for it and
-    stays held while any of them sends it. The worker half runs them in order, so the tiers
-    (first) read evicted blocks out before anything is written into the step's new blocks."""
+    stays held while any of them sends it. The step's plan is a dict, each connector's under its
+    `name`. The engine-side worker halves run in order, so the tiers (first) read evicted blocks
+    out before anything is written into the step's new blocks. The engine always wraps its
+    connectors in one of these, even a single one."""
 
     def __init__(self, connectors: list[Any]) -> None:
+        names = [c.name for c in connectors]
+        if len(set(names)) != len(names):
+            raise ValueError(f"connector names must differ, got {names}")
         self.connectors = connectors
         self._hits: dict[str, list[tuple[Any, list[TierHit]]]] = {}  # request -> its last lookup, by connector
         self._loading: dict[str, set[int]] = {}  # request -> the connectors still loading for it
         self._sending: dict[str, set[int]] = {}  # finished request -> the connectors still sending it
         self._failed: dict[str, str] = {}
+
+    def validate_request(self, params: Any, num_prompt_tokens: int) -> None:
+        for c in self.connectors:
+            c.validate_request(params, num_prompt_tokens)
+
+    def block_salt(self, request: Request) -> tuple[int, str] | None:
+        salts = [s for c in self.connectors if (s := c.block_salt(request)) is not None]
+        return min(salts) if salts else None
 
     def on_evict(self, block: EvictedBlock) -> None:
         for c in self.connectors:
@@ -209,8 +231,16 @@ class MultiConnector(KVConnector, KVConnectorWorker):
                 c.on_allocated(request, block_ids[start:start + len(mine)], mine)
                 start += len(mine)
 
-    def build_meta(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> list[Any]:
-        return [c.build_meta(out, requests) for c in self.connectors]
+    def extra_tokens(self, request: Request) -> int:
+        return sum(c.extra_tokens(request) for c in self.connectors)
+
+    def build_meta(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, Any]:
+        return {c.name: c.build_meta(out, requests) for c in self.connectors}
+
+    def update_connector_output(self, output: Mapping[str, Any]) -> None:
+        for c in self.connectors:
+            if c.name in output:
+                c.update_connector_output(output[c.name])
 
     def start_load(self, request: Request, num_device_blocks: int) -> bool:
         waiting = {i for i, c in enumerate(self.connectors) if c.start_load(request, num_device_blocks)}
@@ -270,13 +300,15 @@ class MultiConnector(KVConnector, KVConnectorWorker):
         for c in self.connectors:
             c.close()
 
-    def before_forward(self, meta: list[Any], runner: Any) -> None:
-        for c, m in zip(self.connectors, meta):
-            c.before_forward(m, runner)
+    def before_forward(self, meta: Mapping[str, Any], runner: Any) -> None:
+        for c in self.connectors:
+            if isinstance(c, KVConnectorWorker):
+                c.before_forward(meta.get(c.name), runner)
 
-    def after_forward(self, meta: list[Any], runner: Any) -> None:
-        for c, m in zip(self.connectors, meta):
-            c.after_forward(m, runner)
+    def after_forward(self, meta: Mapping[str, Any], runner: Any) -> None:
+        for c in self.connectors:
+            if isinstance(c, KVConnectorWorker):
+                c.after_forward(meta.get(c.name), runner)
 
 
 def _all_done(pending: dict[str, set[int]], i: int, rids: list[str]) -> list[str]:

@@ -200,8 +200,9 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 self.waiting.insert(0, req)
                 break
-            if hits:  # the first new blocks take the loaded K/V
+            if hits:  # the first new blocks take the loaded K/V; the connector may add work
                 self.connector.on_allocated(req, blocks[:len(hits)], hits)
+                budget -= self.connector.extra_tokens(req)
             if looked_up:
                 self.kv.count_lookup(req, num_cached)
                 if self.connector is not None and not req.skip_prefix_cache:

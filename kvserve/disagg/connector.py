@@ -38,11 +38,12 @@ from typing import Any
 import torch
 
 from kvserve.config import KVTransferConfig
-from kvserve.core.kv_connector import EvictedBlock, FinishedLoads, KVConnector, KVConnectorWorker, TierHit
+from kvserve.core.kv_connector import EvictedBlock, KVConnector, KVConnectorWorker, TierHit
+from kvserve.core.kv_loads import BackgroundLoads
 from kvserve.core.prefix_cache import compute_block_hashes, max_cached_blocks
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.disagg.auth import TransferAuth, sign_params
-from kvserve.disagg.params import transfer_params
+from kvserve.disagg.params import check_transfer_params, transfer_params
 from kvserve.disagg.transport import KVSender, KVTransferError, fetch
 from kvserve.request import Request, RequestStatus
 
@@ -82,7 +83,10 @@ class _Loaded:
 
 class PDConnector(KVConnector, KVConnectorWorker):
     """Threads: the engine thread calls everything but `_run`/`_fetch`, which run on one thread
-    per fetch under way; what they share (the decode side's dicts and queues) goes under `_lock`."""
+    per fetch under way. What fetches bring goes through `_loads` (core/kv_loads.py); the per-peer
+    queues and the counters they share go under `_lock`."""
+
+    name = "kv_transfer"
 
     def __init__(self, cfg: KVTransferConfig, handshake: dict[str, Any], block_size: int) -> None:
         self.cfg = cfg
@@ -101,18 +105,17 @@ class PDConnector(KVConnector, KVConnectorWorker):
         self._to_send: list[_Send] = []  # finished requests whose blocks the next step copies out
         self._sent: list[str] = []  # ... copied: their device blocks may be freed
         self._out_params: dict[str, dict[str, Any]] = {}  # request id -> its output's kv_transfer_params
-        # decode side
-        self._done = FinishedLoads()
-        self._loaded: dict[str, _Loaded] = {}  # fetched, waiting to be allocated
-        self._errors: dict[str, str] = {}  # fetch failures that fail their request (policy fail)
-        self._fetching: set[str] = set()  # requests with a fetch queued or running
-        self._cancelled: set[str] = set()  # ... of those, the ones gone meanwhile
+        # decode side: fetches (what they brought: _Loaded; failures fail their request under policy fail)
+        self._loads = BackgroundLoads()
         self._queued: dict[tuple[str, int], deque[_Fetch]] = {}  # peer -> fetches waiting for a slot
         self._running: dict[tuple[str, int], int] = {}  # peer -> its fetches under way
         self._closed = False
         self._writes: list[tuple[int, torch.Tensor]] = []
         self.stats_counts: dict[str, int] = {"kv_transfer_sent": 0, "kv_transfer_received": 0,
                                              "kv_transfer_failed": 0, "kv_transfer_tokens_received": 0}
+
+    def validate_request(self, params: Any, num_prompt_tokens: int) -> None:
+        check_transfer_params(transfer_params(params), self.cfg, params.n)
 
     # ---- prefill side ---------------------------------------------------------------
 
@@ -151,8 +154,8 @@ class PDConnector(KVConnector, KVConnectorWorker):
         if usable <= num_device_blocks:
             return False  # already cached here (the prefill engine's copy expires with its lease)
         peer = (p["remote_host"], p["remote_port"])
+        self._loads.begin(request.request_id)
         with self._lock:
-            self._fetching.add(request.request_id)
             self._queued.setdefault(peer, deque()).append(
                 _Fetch(request, p, time.monotonic() + self.cfg.fetch_timeout_s))
             self._pump(peer)
@@ -170,7 +173,7 @@ class PDConnector(KVConnector, KVConnectorWorker):
 
     def _run(self, peer: tuple[str, int], job: _Fetch) -> None:
         try:
-            self._fetch(job)
+            self._loads.run(job.request.request_id, lambda: self._fetch(job))
         finally:
             with self._lock:
                 self._running[peer] -= 1
@@ -178,12 +181,13 @@ class PDConnector(KVConnector, KVConnectorWorker):
                     del self._running[peer]
                 self._pump(peer)
 
-    def _fetch(self, job: _Fetch) -> None:
+    def _fetch(self, job: _Fetch) -> _Loaded | None:
+        """On a fetch thread: the request's verified blocks; None (prefill here) or an exception
+        (policy fail: the request fails) when they cannot be had."""
         request, p, rid = job.request, job.params, job.request.request_id
+        if self._loads.cancelled(rid):
+            return None  # gone while queued
         try:
-            with self._lock:
-                if rid in self._cancelled:
-                    return  # gone while queued: the finally below forgets it
             left = job.deadline - time.monotonic()
             if left <= 0:
                 raise KVTransferError(f"no fetch from {p['remote_host']}:{p['remote_port']} could start within "
@@ -196,38 +200,26 @@ class PDConnector(KVConnector, KVConnectorWorker):
                 bad = next(i for i, h in enumerate(hashes) if i >= len(mine) or h != mine[i])
                 raise KVTransferError(f"fetched block {bad} of {len(hashes)} is not this prompt's (its hash is not "
                                       f"the one computed here from the prompt's tokens)")
-            with self._lock:
-                if rid not in self._cancelled:
-                    self._loaded[rid] = _Loaded(data, mine[:len(hashes)])
-            self.stats_counts["kv_transfer_received"] += 1
-            self.stats_counts["kv_transfer_tokens_received"] += len(hashes) * self.block_size
         except Exception as e:  # noqa: BLE001 - any failure means: no remote K/V for this request
-            self.stats_counts["kv_transfer_failed"] += 1
+            self._count("kv_transfer_failed")
             reason = str(e) if isinstance(e, KVTransferError) else f"{type(e).__name__}: {e}"
-            with self._lock:
-                gone = rid in self._cancelled
-                if self.cfg.policy == "fail" and not gone:
-                    self._errors[rid] = f"remote KV load failed: {reason}"
-            if self.cfg.policy != "fail" and not gone:
+            if self.cfg.policy == "fail":
+                raise KVTransferError(f"remote KV load failed: {reason}") from e
+            if not self._loads.cancelled(rid):
                 logger.warning("request %s: remote KV load failed (%s); prefilling here", rid, reason)
-        finally:
-            with self._lock:
-                self._fetching.discard(rid)
-                if rid in self._cancelled:
-                    self._cancelled.discard(rid)
-                    self._errors.pop(rid, None)
-                    return
-            self._done.put(rid)
+            return None
+        self._count("kv_transfer_received")
+        self._count("kv_transfer_tokens_received", len(hashes) * self.block_size)
+        return _Loaded(data, mine[:len(hashes)])
 
     def finished_loading(self) -> list[str]:
-        return self._done.drain()
+        return self._loads.finished()
 
     def load_error(self, request_id: str) -> str | None:
-        with self._lock:
-            return self._errors.pop(request_id, None)
+        return self._loads.error(request_id)
 
     def wait(self, timeout: float) -> None:
-        self._done.wait(timeout)
+        self._loads.wait(timeout)
 
     # ---- decode side: the step path -------------------------------------------------------
 
@@ -235,8 +227,7 @@ class PDConnector(KVConnector, KVConnectorWorker):
         pass  # evicted blocks are simply gone; tiers are another connector
 
     def lookup(self, request: Request, start_block: int, max_blocks: int) -> list[TierHit]:
-        with self._lock:
-            loaded = self._loaded.get(request.request_id)
+        loaded = self._loads.peek(request.request_id)
         if loaded is None:
             return []
         end = min(len(loaded.hashes), max_blocks)
@@ -246,8 +237,7 @@ class PDConnector(KVConnector, KVConnectorWorker):
         pass
 
     def on_allocated(self, request: Request, block_ids: list[int], hits: list[TierHit]) -> None:
-        with self._lock:
-            loaded = self._loaded.pop(request.request_id)
+        loaded = self._loads.take(request.request_id)
         index = {h: i for i, h in enumerate(loaded.hashes)}
         self._writes.extend((b, loaded.data[index[h.block_hash]]) for b, h in zip(block_ids, hits))
 
@@ -257,11 +247,7 @@ class PDConnector(KVConnector, KVConnectorWorker):
         return meta
 
     def forget(self, request_id: str) -> None:
-        with self._lock:
-            self._loaded.pop(request_id, None)
-            self._errors.pop(request_id, None)
-            if request_id in self._fetching:
-                self._cancelled.add(request_id)  # the fetch drops what it brings
+        self._loads.cancel(request_id)  # a fetch under way drops what it brings
 
     # ---- the worker half ---------------------------------------------------------------
 
@@ -269,7 +255,7 @@ class PDConnector(KVConnector, KVConnectorWorker):
         for s in meta.sends:  # held blocks: nothing has reused them
             self.sender.put(s.transfer_id, runner.read_kv_blocks(s.block_ids))
             self._sent.append(s.request_id)
-            self.stats_counts["kv_transfer_sent"] += 1
+            self._count("kv_transfer_sent")
         if meta.writes:
             runner.write_kv_blocks([b for b, _ in meta.writes], torch.stack([d for _, d in meta.writes]))
 
@@ -278,8 +264,13 @@ class PDConnector(KVConnector, KVConnectorWorker):
 
     # ---- the engine ----------------------------------------------------------------------
 
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.stats_counts[name] += n
+
     def stats(self) -> dict[str, int]:
-        out = dict(self.stats_counts)
+        with self._lock:
+            out = dict(self.stats_counts)
         if self.sender is not None:
             out.update(kv_transfer_pending=self.sender.num_pending, kv_transfer_bytes_sent=self.sender.bytes_sent,
                        kv_transfer_expired=self.sender.transfers_expired)

@@ -124,10 +124,6 @@ class Executor(ABC):
                 head += heads
         self.scatter_rpc("write_kv_blocks", [(block_ids, p) for p in pieces])
 
-    def blend(self, meta: Any) -> Any:
-        """Blend the step's spans (blend/forward.py; one rank holds the whole model)."""
-        return self.collective_rpc("blend", meta)[0]
-
     def scatter_rpc(self, method: str, per_rank_args: list[tuple]) -> list[Any]:
         """Worker.method(*per_rank_args[rank]) on each rank."""
         raise NotImplementedError(f"{type(self).__name__} has no scatter_rpc")

@@ -13,22 +13,18 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Future
-from pathlib import Path
 
 import torch
 
 from kvserve import threads
-from kvserve.blend.chunks import blend_spec, check_blend_spec
-from kvserve.config import CacheConfig, EngineConfig, KVEventsConfig, TierConfig, resolve_attention_backend
-from kvserve.core.kv_connector import MultiConnector
+from kvserve.config import CacheConfig, EngineConfig, KVEventsConfig
 from kvserve.core.kv_events import KVEventPublisher, KVEventSink
 from kvserve.core.kv_manager import KVCacheManager
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.core.scheduler import Scheduler
-from kvserve.disagg.params import check_transfer_params, transfer_params
 from kvserve.distributed.executor import Executor, WorkerError
 from kvserve.distributed.parallel import check_parallel
-from kvserve.engine import defaults
+from kvserve.engine import connectors, defaults
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.models.generation_config import generation_defaults
 from kvserve.models.loader import Checkpoint, open_checkpoint, resolve_dtype
@@ -98,14 +94,12 @@ class EngineCore:
             config.scheduler, max_num_batched_tokens=self.step_budget.tokens, max_model_len=self.max_model_len)
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                  cache_config.prefix_cache)
-        # The KV connector (core/kv_connector.py), both halves: the KV tiers, prefill/decode
-        # transfer, or both (tiers first). `tiers` and `transfer` are the parts, for what only
-        # they do (clearing and saving the tiers).
-        self.tiers = self._tiers(config.tiers) if config.tiers.enabled else None
-        self.transfer = self._kv_transfer(config) if config.kv_transfer.enabled else None
-        self.blend = self._blend(config) if config.blend.enabled else None
-        parts = [c for c in (self.tiers, self.transfer, self.blend) if c is not None]
-        self.connector = (parts[0] if len(parts) == 1 else MultiConnector(parts)) if parts else None
+        # The KV connectors' scheduler roles (engine/connectors.py), as one. `tiers` and `transfer`
+        # are parts, for what only they do (clearing and saving the tiers, the P/D handshake).
+        self.connector_parts = connectors.build_connectors(self)
+        self.tiers = self.connector_parts.get("tiers")
+        self.transfer = self.connector_parts.get("kv_transfer")
+        self.connector = connectors.combined(self.connector_parts)
         if self.tiers is not None:  # evicted blocks go down to the tiers (through every connector)
             self.kv.attach_connector(self.connector)
             atexit.register(self.close)  # queued tier writes and the disk tier's save happen at exit too
@@ -170,35 +164,6 @@ class EngineCore:
         return model_fingerprint(self.model_path, weights, self.kv_dtype, self.executor.kv_block_shape,
                                  self.executor.kv_scales())
 
-    def _tiers(self, cfg: TierConfig):
-        from kvserve.kv_tiers.manager import TierManager
-
-        tiers = TierManager(cfg, self.model_fingerprint, self.cache_config.block_size, self.executor.kv_block_shape,
-                            self.kv_dtype)
-        return tiers
-
-    def _kv_transfer(self, config: EngineConfig):
-        from kvserve.disagg.connector import PDConnector
-
-        handshake = {"model": Path(self.model_path).name, "block_size": self.cache_config.block_size,
-                     "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
-                     "block_shape": list(self.executor.kv_block_shape), "fingerprint": self.model_fingerprint.hex()}
-        return PDConnector(config.kv_transfer, handshake, self.cache_config.block_size)
-
-    def _blend(self, config: EngineConfig):
-        from kvserve.blend.connector import BlendConnector
-
-        if self.kv.cache is None or not self.kv.cache.supports_tiers:
-            raise ValueError("enable_blending finds chunks by chain hash: it needs prefix caching with "
-                             "--prefix-cache hash")
-        if config.parallel.world_size != 1:
-            raise ValueError("enable_blending runs on one rank: tensor_parallel_size and "
-                             "pipeline_parallel_size must be 1")
-        if resolve_attention_backend(config.model.attention_backend, config.device) == "triton":
-            raise ValueError("enable_blending needs the torch or cpu attention backend (triton has no "
-                             "query positions)")
-        return BlendConnector(config.blend, self.kv, self.tiers)
-
     def _kv_events(self, cfg: KVEventsConfig) -> KVEventPublisher:
         """Publish the blocks of the prefix cache and of every tier for routers."""
         sink = KVEventSink()
@@ -229,7 +194,6 @@ class EngineCore:
         params = with_default_pooling(params, self.config.model.pooling)
         max_tokens = self.validate(prompt_token_ids, params, priority, cache_salt)
         arrival = arrival_time if arrival_time is not None else time.time()
-        spec = blend_spec(params)
         children = []
         for i in range(params.n):
             p = params
@@ -239,8 +203,8 @@ class EngineCore:
                                         prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             child = Request(cid, prompt_token_ids, p, self.eos_token_id, arrival, priority, cache_salt, max_tokens)
-            if spec is not None:  # the blocks from the first chunk's on may hold reused K/V
-                child.approx_from_block = spec["chunks"][0][0] // self.kv.block_size
+            if self.connector is not None:
+                child.extra_salt = self.connector.block_salt(child)
             if i > 0:
                 child.leader_id = children[0].request_id
             children.append(child)
@@ -277,9 +241,10 @@ class EngineCore:
             k = getattr(params, name)
             if k is not None and k > self.max_logprobs:
                 raise ValueError(f"{name} must be at most {self.max_logprobs} (the engine's max_logprobs), got {k}")
-        check_transfer_params(transfer_params(params), self.config.kv_transfer, params.n)
         n_prompt = len(ids)
-        check_blend_spec(blend_spec(params), self.config.blend, n_prompt, self.hf_config.num_hidden_layers)
+        connectors.check_request_keys(params, self.connector_parts)
+        if self.connector is not None:
+            self.connector.validate_request(params, n_prompt)
         if n_prompt >= self.max_model_len:
             raise ValueError(f"prompt is {n_prompt} tokens, which leaves no room to generate within "
                              f"max_model_len={self.max_model_len}")
@@ -369,6 +334,7 @@ class EngineCore:
     def _finish_step(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> list[RequestOutput]:
         if self.connector is not None:
             self.connector.after_forward(so.kv_connector_meta, self.executor)
+            self.connector.update_connector_output(ro.kv_connector_output)
         updated = self.scheduler.update(so, ro.sampled) + self._finish_pooled(ro)
         outputs, stopped = self.processor.process(updated, ro)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

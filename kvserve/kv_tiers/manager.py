@@ -1,29 +1,20 @@
-"""TierManager: moves KV blocks between the device pool and the tiers below it.
+"""TierManager: the KV tiers' connector (core/kv_connector.py) and their index.
 
     device pool --evict--> host RAM --LRU evict (admission)--> disk, remote (background)
     device pool <--onload-- host RAM or staged <--prefetch (background)-- disk, remote
 
-On the step path only memory is touched: an evicted block's K/V are copied into
-the host tier (or, without one, queued for the background writer), and onloads
-come from the host tier or from blocks a background prefetch already staged in
-memory. Disk and network I/O run on two daemon threads, one reading (prefetch,
-latency-critical) and one writing (demotions, best effort: dropped when the
-queue is full rather than letting memory grow).
-
-An entry's key is sha256(model fingerprint, chain hash); the chain hash already
-covers the parent chain and the cache_salt, so other models and other tenants
-never share an entry. Entries carry the block's tokens and are checksummed
-(codec.py): a corrupt or foreign entry is deleted and never loaded.
+The bytes live in a TierStore (store.py: the tiers behind one interface). This class decides: it
+hears of evicted blocks and copies them down before the next forward, looks a prompt's next
+blocks up (host RAM on the step path; disk and remote by a prefetch that the request waits for,
+core/kv_loads.py), plans the onloads, and keeps the index of what is where by chain hash, which
+it publishes as KV events for routers. On the step path only memory is touched.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import queue
 import threading
-import time
-from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,23 +23,16 @@ from typing import Any
 import torch
 
 from kvserve.config import TierConfig
-from kvserve.core.kv_connector import EvictedBlock, FinishedLoads, KVConnector, KVConnectorWorker, TierHit
+from kvserve.core.kv_connector import EvictedBlock, KVConnector, KVConnectorWorker, TierHit
 from kvserve.core.kv_events import KVEventSink
+from kvserve.core.kv_loads import BackgroundLoads
 from kvserve.core.prefix_cache import block_tokens, compute_block_hashes, max_cached_blocks
 from kvserve.core.sched_output import SchedulerOutput
-from kvserve.kv_tiers.base import Evicted, KVTier
-from kvserve.kv_tiers.codec import CorruptEntryError, decode_entry, encode_entry
-from kvserve.kv_tiers.disk import DiskTier
-from kvserve.kv_tiers.host import HostTier
-from kvserve.kv_tiers.remote import RemoteTier
+from kvserve.kv_tiers.base import KVTier
+from kvserve.kv_tiers.store import CPU, DISK, FLUSH_BUDGET_S, Name, TierStore
 from kvserve.request import Request
 
 logger = logging.getLogger(__name__)
-
-CPU, DISK, REMOTE = "cpu", "disk", "remote"
-WRITE_QUEUE_MAX = 1024  # demotions waiting for disk / network; beyond it they are dropped
-FLUSH_BUDGET_S = 10.0  # at close: how long pending writes may take
-
 
 _SAMPLE = 1 << 20
 
@@ -79,12 +63,6 @@ def model_fingerprint(model_path: str, weights: str, dtype: torch.dtype, block_s
 
 
 @dataclass
-class _Staged:
-    data: bytes
-    origin: str
-
-
-@dataclass
 class TierStepMeta:
     """One step's copies, in the order the worker half does them (an evicted block may be
     refilled by an onload or by this very step, so offloads are read out first)."""
@@ -95,67 +73,56 @@ class TierStepMeta:
 
 
 class TierManager(KVConnector, KVConnectorWorker):
-    """Both halves of the KV tiers' connector. They run in the engine process, which holds the
-    tiers; the worker half reaches the ranks' KV through the executor (`runner`)."""
+    """Both halves of the KV tiers' connector, in the engine process; the worker half reaches
+    the ranks' KV through the executor (`runner`).
+
+    Threads: the engine thread calls every connector method. Prefetches (`_fetch`) run on the
+    store's reader thread and hand what they staged back through `_loads`; the store's writer
+    thread calls `stored` / `removed`, so the names index goes under `_lock`."""
+
+    name = "tiers"
 
     def __init__(self, cfg: TierConfig, fingerprint: bytes, block_size: int, block_shape: tuple[int, ...],
                  dtype: torch.dtype) -> None:
         """block_shape: one block's K/V as the runner reads it, [layers, 2, block_size, kv_heads, head_dim]."""
         self.cfg = cfg
-        self.fingerprint = fingerprint
         self.block_size = block_size
-        self.block_shape = tuple(block_shape)
-        self.dtype = dtype
-        self.host = HostTier(cfg.cpu_bytes) if cfg.cpu_bytes else None
-        self.disk = DiskTier(cfg.disk_path, cfg.disk_bytes) if cfg.disk_path else None
-        self.remote = RemoteTier(cfg.remote_url) if cfg.remote_url else None
-        self.slow: list[KVTier] = [t for t in (self.disk, self.remote) if t is not None]
-        self._lock = threading.Lock()
-        self._staged: dict[bytes, _Staged] = {}  # prefetched from slow tiers, waiting to be onloaded
-        self._staged_by_req: dict[str, list[bytes]] = defaultdict(list)
+        self.store = TierStore(cfg, fingerprint, block_shape, dtype, self)
+        self._loads = BackgroundLoads()  # prefetches: request -> {key: (data, tier)} staged
         self._ready: dict[bytes, bytes] = {}  # verified data of this step's lookups, by key
         self._offloads: list[EvictedBlock] = []  # evicted since the last step
         self._onloads: list[tuple[int, TierHit]] = []  # allocated this step
         self._written: dict[str, int] = {}  # request id -> its full blocks sent to the remote tier
-        self._done = FinishedLoads()
-        self._fetching: set[str] = set()  # requests with a prefetch queued or running
-        self._cancelled: set[str] = set()  # ... of those, the ones finished meanwhile
-        self.stats_tokens: dict[str, int] = defaultdict(int)  # "<tier>_queries" / "<tier>_hits", in tokens
         self._lookups: dict[str, tuple[int, int]] = {}  # request id -> its last lookup's (queried, found)
-        self.bytes_offloaded: dict[str, int] = defaultdict(int)
         self.bytes_onloaded = 0
-        self.writes_dropped = 0
-        self.write_failures: dict[str, int] = defaultdict(int)  # puts a tier did not store (I/O, unreachable)
         # KV events (for routers): the sink, and the chain hash of each entry in the host and
         # disk tiers by key (a tier evicts by key; a router knows blocks by chain hash).
         self.events: KVEventSink | None = None
-        self._names: dict[str, dict[bytes, tuple[bytes, bytes]]] = {CPU: {}, DISK: {}}
-        if self.disk is not None:
-            self.disk.removed_listener = lambda key: self._removed(DISK, key)
-        self._reads: queue.Queue = queue.Queue()
-        self._writes: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE_MAX)
-        self._threads = [threading.Thread(target=self._loop, args=(q,), name=f"kvserve-tier-{n}", daemon=True)
-                         for n, q in (("read", self._reads), ("write", self._writes))] if self.slow else []
-        for t in self._threads:
-            t.start()
-
-    # ---- keys and entries -------------------------------------------------------
+        self._lock = threading.Lock()
+        self._names: dict[str, dict[bytes, Name]] = {CPU: {}, DISK: {}}
 
     def key(self, block_hash: bytes) -> bytes:
-        return hashlib.sha256(b"kvserve.tier.v1" + self.fingerprint + block_hash).digest()
+        return self.store.key(block_hash)
 
-    def _encode(self, b: EvictedBlock, data: torch.Tensor) -> bytes:
-        meta = {"parent": b.parent_hash, "tokens": list(b.tokens), "shape": list(self.block_shape),
-                "dtype": str(self.dtype)}
-        return encode_entry(self.key(b.block_hash), meta, data.contiguous().view(torch.uint8).numpy())
+    # ---- the index: KV events (TierListener) -------------------------------------------
 
-    def _decode(self, key: bytes, blob: bytes, parent: bytes, tokens: tuple[int, ...]) -> bytes:
-        """The block data, after checking checksum, key, tokens, shape and dtype."""
-        meta, data = decode_entry(key, blob)
-        if (meta.get("parent") != parent or tuple(meta.get("tokens", ())) != tokens
-                or tuple(meta.get("shape", ())) != self.block_shape or meta.get("dtype") != str(self.dtype)):
-            raise CorruptEntryError("entry content does not match the block it is keyed by")
-        return data
+    def stored(self, tier: str, key: bytes, name: Name | None) -> None:
+        if self.events is None or name is None:
+            return
+        if tier in self._names:
+            with self._lock:
+                self._names[tier][key] = name
+        self.events.stored(name[0], name[1], tier)
+
+    def removed(self, tier: str, key: bytes) -> Name | None:
+        """Report the entry gone from `tier`; returns its (chain hash, parent) when known."""
+        if self.events is None:
+            return None
+        with self._lock:
+            name = self._names[tier].pop(key, None) if tier in self._names else None
+        if name is not None:
+            self.events.removed(name[0], tier)
+        return name
 
     # ---- KVConnector: the step path ---------------------------------------------
 
@@ -191,36 +158,30 @@ class TierManager(KVConnector, KVConnectorWorker):
         if start_block >= max_blocks:
             return []
         hashes = compute_block_hashes(request, max_blocks, self.block_size)
+        staged = self._loads.peek(request.request_id) or {}
         hits: list[TierHit] = []
         queried = found = 0  # host-tier tokens, counted by count_lookup if the request is scheduled
         for i in range(start_block, max_blocks):
             key, parent = self.key(hashes[i]), hashes[i - 1] if i else b""
-            with self._lock:
-                staged = self._staged.get(key)
-            if staged is not None:
-                self._ready[key] = staged.data
-                hits.append(TierHit(hashes[i], staged.origin))
+            if key in staged:
+                self._ready[key], origin = staged[key]
+                hits.append(TierHit(hashes[i], origin))
                 continue
             queried += self.block_size
-            blob = self.host.get(key) if self.host is not None else None
-            if blob is None:
+            data = self.store.get(key, parent, block_tokens(request, i, self.block_size))
+            if data is None:
                 break
             found += self.block_size
-            try:
-                self._ready[key] = self._decode(key, blob, parent, block_tokens(request, i, self.block_size))
-            except CorruptEntryError as e:
-                logger.warning("dropping a corrupt host-tier KV entry: %s", e)
-                self.host.delete(key)
-                self._removed(CPU, key)
-                break
+            self._ready[key] = data
             hits.append(TierHit(hashes[i], CPU))
         self._lookups[request.request_id] = (queried, found)
         return hits
 
     def count_lookup(self, request: Request) -> None:
         queried, found = self._lookups.pop(request.request_id, (0, 0))
-        self.stats_tokens[f"{CPU}_queries"] += queried
-        self.stats_tokens[f"{CPU}_hits"] += found
+        self.store.count(f"{CPU}_queries", queried)
+        self.store.count(f"{CPU}_hits", found)
+        self._loads.take(request.request_id)  # scheduled: what was staged for it is in _ready
 
     # ---- KVConnectorWorker: the copies -----------------------------------------------
 
@@ -232,93 +193,27 @@ class TierManager(KVConnector, KVConnectorWorker):
         # The copy is taken now (the blocks may be reused after this step); encoding and the
         # store's round trips happen on the writer thread.
         for b, data in zip(todo, runner.read_kv_blocks([b.block_id for b in todo])):
-            try:
-                self._writes.put_nowait((self._write_new, (b, data)))
-            except queue.Full:
-                self.writes_dropped += 1
+            self.store.put_remote(b, data)
 
     def before_forward(self, meta: TierStepMeta, runner: Any) -> None:
         """Copy evicted blocks out of the device, then loaded blocks in."""
-        kv_offload, kv_onload = meta.offloads, meta.onloads
         # A block loaded from RAM and evicted again is still there (same key, same content) with
         # its hit count, which admission to disk needs: only mark it recently used.
-        if self.host is not None:
-            kv_offload = [b for b in kv_offload if not self.host.touch(self.key(b.block_hash))]
+        kv_offload = [b for b in meta.offloads if not self.store.touch(self.key(b.block_hash))]
         if kv_offload:
             data = runner.read_kv_blocks([b.block_id for b in kv_offload])
             for b, d in zip(kv_offload, data):
-                self._store(b, d)
-        if kv_onload:
-            blocks = []
-            for _, hit in kv_onload:
-                key = self.key(hit.block_hash)
-                raw = self._ready.pop(key)
-                with self._lock:
-                    self._staged.pop(key, None)
-                blocks.append(torch.frombuffer(bytearray(raw), dtype=self.dtype).view(self.block_shape))
-            runner.write_kv_blocks([b for b, _ in kv_onload], torch.stack(blocks))
+                self.store.put(b, d)
+        if meta.onloads:
+            blocks = [self.store.to_tensor(self._ready.pop(self.key(hit.block_hash))) for _, hit in meta.onloads]
+            runner.write_kv_blocks([b for b, _ in meta.onloads], torch.stack(blocks))
             self.bytes_onloaded += sum(len(b.untyped_storage()) for b in blocks)
         self._ready.clear()
-
-    def _store(self, b: EvictedBlock, data: torch.Tensor) -> None:
-        blob, key, name = self._encode(b, data), self.key(b.block_hash), (b.block_hash, b.parent_hash)
-        if self.host is None:
-            self._demote([Evicted(key, blob, 0)], {key: name})
-            return
-        ok, evicted = self.host.put_evicting(key, blob)
-        if ok:
-            self.bytes_offloaded[CPU] += len(blob)
-            self._stored(CPU, key, name)
-        self._demote(evicted, {e.key: self._removed(CPU, e.key) for e in evicted})
-
-    def _demote(self, entries: list[Evicted], names: dict[bytes, tuple[bytes, bytes] | None]) -> None:
-        for e in entries:
-            targets = [t for t, min_hits in ((self.disk, self.cfg.disk_min_hits),
-                                             (self.remote, self.cfg.remote_min_hits))
-                       if t is not None and e.hits >= min_hits]
-            if not targets:
-                continue
-            try:
-                self._writes.put_nowait((self._write, (e.key, e.blob, targets, names.get(e.key))))
-            except queue.Full:
-                self.writes_dropped += 1
-
-    # ---- KV events ------------------------------------------------------------------
-
-    def _stored(self, tier: str, key: bytes, name: tuple[bytes, bytes] | None) -> None:
-        if self.events is None or name is None:
-            return
-        if tier in self._names:
-            with self._lock:
-                self._names[tier][key] = name
-        self.events.stored(name[0], name[1], tier)
-
-    def _removed(self, tier: str, key: bytes) -> tuple[bytes, bytes] | None:
-        """Report the entry gone from `tier`; returns its (chain hash, parent) when known."""
-        if self.events is None:
-            return None
-        with self._lock:
-            name = self._names[tier].pop(key, None) if tier in self._names else None
-        if name is not None:
-            self.events.removed(name[0], tier)
-        return name
-
-    def _write_new(self, b: EvictedBlock, data: torch.Tensor) -> None:
-        assert self.remote is not None
-        key = self.key(b.block_hash)
-        if self.remote.contains(key):
-            return
-        blob = self._encode(b, data)
-        if self.remote.put(key, blob):
-            self.bytes_offloaded[REMOTE] += len(blob)
-            self._stored(REMOTE, key, (b.block_hash, b.parent_hash))
-        else:
-            self.write_failures[REMOTE] += 1
 
     # ---- KVConnector: prefetch from slow tiers -------------------------------------
 
     def start_load(self, request: Request, num_device_blocks: int) -> bool:
-        if not self.slow:
+        if not self.store.slow:
             return False
         max_blocks = max_cached_blocks(request, self.block_size)
         if num_device_blocks >= max_blocks:
@@ -326,161 +221,66 @@ class TierManager(KVConnector, KVConnectorWorker):
         hashes = compute_block_hashes(request, max_blocks, self.block_size)
         keys = [self.key(h) for h in hashes]
         first = num_device_blocks
-        while first < max_blocks and self.host is not None and self.host.contains(keys[first]):
+        while first < max_blocks and self.store.contains(keys[first]):
             first += 1
         if first >= max_blocks:
             return False
         todo = [(keys[i], hashes[i - 1] if i else b"", block_tokens(request, i, self.block_size))
                 for i in range(first, max_blocks)]
-        with self._lock:
-            self._fetching.add(request.request_id)
-        self._reads.put((self._fetch, (request.request_id, todo)))
+        rid = request.request_id
+        self._loads.begin(rid)
+        self.store.submit_read(self._loads.run, rid, lambda: self._fetch(rid, todo))
         return True
 
+    def _fetch(self, request_id: str, todo: list[tuple[bytes, bytes, tuple[int, ...]]]) -> dict[bytes, tuple[bytes, str]]:
+        """On the reader thread: the longest run of blocks found in disk, then remote (verified),
+        stopping at the first miss or when the request is gone."""
+        staged: dict[bytes, tuple[bytes, str]] = {}
+        for key, parent, tokens in todo:
+            if self._loads.cancelled(request_id):
+                break
+            found = self.store.fetch(key, parent, tokens)
+            if found is None:
+                break
+            staged[key] = found
+        return staged
+
     def finished_loading(self) -> list[str]:
-        return self._done.drain()
+        return self._loads.finished()
 
     def wait(self, timeout: float) -> None:
         """Block until a prefetch finishes or `timeout` passes (the engine has nothing else to do)."""
-        self._done.wait(timeout)
+        self._loads.wait(timeout)
 
     def forget(self, request_id: str) -> None:
         self._lookups.pop(request_id, None)
         self._written.pop(request_id, None)
-        with self._lock:
-            if request_id in self._fetching:
-                self._cancelled.add(request_id)  # the fetch stops and drops what it staged
-            for key in self._staged_by_req.pop(request_id, []):
-                self._staged.pop(key, None)
-
-    # ---- background threads -------------------------------------------------------
-
-    def _loop(self, q: queue.Queue) -> None:
-        while True:
-            item = q.get()
-            if item is None:
-                return
-            fn, args = item
-            try:
-                fn(*args)
-            except Exception:  # a tier bug must not kill the thread
-                logger.exception("KV tier background task failed")
-            finally:
-                q.task_done()
-
-    def _fetch(self, request_id: str, todo: list[tuple[bytes, bytes, tuple[int, ...]]]) -> None:
-        """Stage the longest run of blocks found in disk, then remote; stop at the first miss."""
-        try:
-            for key, parent, tokens in todo:
-                data = None
-                for tier in self.slow:
-                    self.stats_tokens[f"{tier.name}_queries"] += self.block_size
-                    blob = tier.get(key)
-                    if blob is None:
-                        continue
-                    try:
-                        data = self._decode(key, blob, parent, tokens)
-                    except CorruptEntryError as e:
-                        logger.warning("deleting a corrupt %s-tier KV entry: %s", tier.name, e)
-                        tier.delete(key)
-                        self._removed(tier.name, key)
-                        continue
-                    self.stats_tokens[f"{tier.name}_hits"] += self.block_size
-                    with self._lock:
-                        if request_id in self._cancelled:
-                            return
-                        self._staged[key] = _Staged(data, tier.name)
-                        self._staged_by_req[request_id].append(key)
-                    break
-                if data is None:
-                    return
-        finally:
-            with self._lock:
-                self._fetching.discard(request_id)
-                if request_id in self._cancelled:  # finished while we fetched: nobody will onload
-                    self._cancelled.discard(request_id)
-                    for key in self._staged_by_req.pop(request_id, []):
-                        self._staged.pop(key, None)
-            self._done.put(request_id)
-
-    def _write(self, key: bytes, blob: bytes, targets: list[KVTier], name: tuple[bytes, bytes] | None = None) -> None:
-        for tier in targets:
-            if tier.put(key, blob):
-                self.bytes_offloaded[tier.name] += len(blob)
-                self._stored(tier.name, key, name)
-            else:
-                self.write_failures[tier.name] += 1
+        self._loads.cancel(request_id)  # a fetch under way stops and drops what it staged
 
     # ---- management ---------------------------------------------------------------
 
     def tiers(self) -> list[KVTier]:
-        return [t for t in (self.host, self.disk, self.remote) if t is not None]
+        return self.store.tiers()
 
     def stats(self) -> dict[str, int | float | bool | str]:
-        out: dict[str, int | float | bool | str] = {"kv_tier_bytes_onloaded": self.bytes_onloaded,
-                                                     "kv_tier_writes_dropped": self.writes_dropped}
-        for tier in self.tiers():
-            s = tier.stats()
-            n = tier.name
-            out.update({f"kv_tier_{n}_queries": self.stats_tokens[f"{n}_queries"],
-                        f"kv_tier_{n}_hits": self.stats_tokens[f"{n}_hits"],
-                        f"kv_tier_{n}_bytes_offloaded": self.bytes_offloaded[n],
-                        f"kv_tier_{n}_entries": s["entries"], f"kv_tier_{n}_bytes_used": s["bytes_used"],
-                        f"kv_tier_{n}_capacity_bytes": s["capacity_bytes"],
-                        f"kv_tier_{n}_available": bool(s["available"]),
-                        f"kv_tier_{n}_write_failures": self.write_failures[n],
-                        # unreachable, or its last write failed (a full disk): KV is not being kept there
-                        f"kv_tier_{n}_degraded": not s["available"] or bool(s.get("write_failing"))})
-        return out
+        return {"kv_tier_bytes_onloaded": self.bytes_onloaded, **self.store.stats()}
 
     def clear(self) -> dict[str, int]:
         with self._lock:
-            self._staged.clear()
-            self._staged_by_req.clear()
             for names in self._names.values():
                 names.clear()
-        out = {t.name: t.clear() for t in self.tiers()}
+        out = self.store.clear()
         if self.events is not None:
             for name in out:
                 self.events.cleared(name)
         return out
 
     def persist(self, cached: list[EvictedBlock], runner: Any, timeout: float = FLUSH_BUDGET_S) -> int:
-        """Save what would be lost at shutdown to the disk tier: blocks still cached on the
-        device, then the host tier's entries (most recently used first); returns how many
-        were written. Bounded by `timeout` so a stop never hangs on a slow disk."""
-        if self.disk is None:
-            return 0
-        deadline, written = time.monotonic() + timeout, 0
-        todo = [b for b in cached if not self.disk.contains(self.key(b.block_hash))]
-        for i in range(0, len(todo), 64):
-            if time.monotonic() > deadline:
-                return written
-            chunk = todo[i:i + 64]
-            for b, d in zip(chunk, runner.read_kv_blocks([b.block_id for b in chunk])):
-                written += self.disk.put(self.key(b.block_hash), self._encode(b, d))
-        for key in reversed(self.host.keys_lru() if self.host is not None else []):
-            if time.monotonic() > deadline:
-                break
-            blob = self.host.get(key)
-            if blob is not None and not self.disk.contains(key):
-                written += self.disk.put(key, blob)
-        return written
+        """Save what would be lost at shutdown to the disk tier (TierStore.persist)."""
+        return self.store.persist(cached, runner.read_kv_blocks, timeout)
 
     def flush(self, timeout: float = FLUSH_BUDGET_S) -> None:
-        """Wait (up to `timeout`) until queued background writes are on disk / in the store."""
-        deadline = time.monotonic() + timeout
-        while self._writes.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.01)
+        self.store.flush(timeout)
 
     def close(self) -> None:
-        self.flush()
-        for q in (self._reads, self._writes):
-            try:
-                q.put(None, timeout=5)  # the write queue may be full: wait a little for room
-            except queue.Full:
-                pass
-        for t in self._threads:
-            t.join(timeout=5)
-        for tier in self.tiers():
-            tier.close()
+        self.store.close()

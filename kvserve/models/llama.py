@@ -12,8 +12,9 @@ reference as long as sequences stay within the window; longer sequences differ.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -26,7 +27,8 @@ from kvserve.layers.linear import (ColumnParallelLinear, ParallelLMHead, QKVPara
                                    VocabParallelEmbedding)
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.activation import silu_and_mul
-from kvserve.layers.rotary import RotaryEmbedding, rope_parameters_of, rotate_qk
+from kvserve.layers.rotary import (RotaryEmbedding, apply_rotary, compute_inv_freq, rope_parameters_of,
+                                   rotate_qk)
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,9 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        # Set by LlamaForCausalLM.probe_queries: receives the queries [T, heads, head_dim] the
+        # attention is given (after q-norm and RoPE).
+        self.query_probe: Callable[[torch.Tensor], None] | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -64,6 +69,8 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.view(t, self.num_heads, self.head_dim)).view(t, self.q_size)
             k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)).view(t, self.kv_size)
         q, k = rotate_qk(q, k, self.head_dim, cos, sin)
+        if self.query_probe is not None:
+            self.query_probe(q.view(t, self.num_heads, self.head_dim))
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
@@ -179,6 +186,36 @@ class LlamaForCausalLM(nn.Module):
         (on a pipeline stage before the last: what the next stage takes as `intermediate`).
         layers: only these [a, b) (LlamaModel.forward)."""
         return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate, layers)
+
+    @property
+    def attention_scale(self) -> float:
+        """What attention multiplies q.k by (1 / sqrt(head_dim))."""
+        return next(layer for layer in self.model.layers if layer is not None).self_attn.attn.scale
+
+    @contextlib.contextmanager
+    def probe_queries(self, layers: Iterable[int]) -> Iterator[dict[int, torch.Tensor]]:
+        """Within the block, every forward records, for each of `layers` (model indices on this
+        stage), the queries its attention is given: float32 [T, heads, head_dim], after q-norm and
+        RoPE, by layer (a later forward overwrites an earlier one's)."""
+        queries: dict[int, torch.Tensor] = {}
+        attns = [self.model.layers[i].self_attn for i in layers]
+        for i, a in zip(layers, attns):
+            a.query_probe = lambda q, i=i: queries.__setitem__(i, q.float().clone())
+        try:
+            yield queries
+        finally:
+            for a in attns:
+                a.query_probe = None
+
+    def rerotate_keys(self, k: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """K [n, kv_heads, head_dim] cached at positions p, as they would be at p + offsets [n]:
+        RoPE at o + j is RoPE at j followed by a rotation by o, so this is exact up to rounding.
+        Float32 [n, kv_heads, head_dim]. (No scaling factor: the cached K carries it.)"""
+        rot = self.model.rotary_emb
+        inv_freq, _ = compute_inv_freq(rot.head_dim, rot.params, rot.max_position)
+        angles = offsets.double()[:, None] * inv_freq.double()[None, :]
+        cos, sin = (x.float()[:, None].to(k.device) for x in (angles.cos(), angles.sin()))
+        return apply_rotary(k.float(), cos, sin)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32 (the last pipeline stage only)."""

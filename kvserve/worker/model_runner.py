@@ -10,12 +10,14 @@ and the vector is returned once their prompt is done.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from kvserve.attention import FP8, FP8_MAX, Attention, AttentionMetadata, get_backend, set_attention_backend
 from kvserve.config import resolve_attention_backend
+from kvserve.core.kv_connector import KVConnectorWorker
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.distributed.parallel import IntermediateTensors, Parallel
 from kvserve.layers.linear import kv_head_range
@@ -38,6 +40,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     # Embedding requests whose prompt ended this step: their pooled vector.
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # What each KV connector's worker role reported for this step, by connector name.
+    kv_connector_output: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -116,6 +120,8 @@ class ModelRunner:
         self.model = model
         self.parallel = parallel or Parallel()
         self.is_output_rank = self.parallel.pp.is_last and self.parallel.tp.is_first
+        # KV connectors' worker roles in this rank, by name (worker/kv_connectors.py; the Worker sets them).
+        self.connector_roles: dict[str, KVConnectorWorker] = {}
         self.hidden_size = hf_config.hidden_size
         self.device = torch.device(device)
         # One backend instance for all layers, so its scratch buffers are shared.
@@ -139,8 +145,8 @@ class ModelRunner:
             if not kv_calibration_ids:
                 raise ValueError("kv_cache_dtype='fp8' needs kv_calibration_ids: a prompt to calibrate the KV scales")
             self.kv_scales = self._calibrate_kv_scales(kv_calibration_ids)
-        if self.device.type == "cpu" and hasattr(model, "enable_decode_stack"):
-            model.enable_decode_stack(dtype, self.attention_backend.name)
+        from kvserve.worker.decode_stack import DecodeStack  # small CPU decode steps' layers in one C call
+        self.decode_stack = DecodeStack.build(model, dtype, self.attention_backend.name, self.device)
         self.sampler = Sampler()
         self.requests: dict[str, _ReqState] = {}
         self.eos_token_id: int | None = None
@@ -182,6 +188,9 @@ class ModelRunner:
                  ) -> torch.Tensor | None:
         """This stage's part of the forward: take the previous stage's hidden states, hand ours to
         the next; the final hidden states on the last stage, None before it."""
+        stack = getattr(self, "decode_stack", None)  # not built yet while __init__ calibrates fp8 KV scales
+        if stack is not None and stack.runs(input_ids.shape[0], meta, kv_caches):
+            return stack.forward(input_ids, positions, meta)  # a single stage: the stack runs no pipeline
         pp = self.parallel.pp
         intermediate = None
         if not pp.is_first:
@@ -273,8 +282,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
-        if not so.num_scheduled_tokens:
-            return ModelRunnerOutput()
+        metas = so.kv_connector_meta or {}
+        for name, role in self.connector_roles.items():  # before anything of the step is written
+            role.before_forward(metas.get(name), self)
+        out = self._execute(so) if so.num_scheduled_tokens else ModelRunnerOutput()
+        for name, role in self.connector_roles.items():
+            role.after_forward(metas.get(name), self)
+            out.kv_connector_output[name] = role.take_output()
+        return out
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         # Decodes (one query token) first: the attention backend batches them.
         order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
         meta, input_ids, positions = self._prepare(order, so.num_scheduled_tokens)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
 import torch
 
@@ -18,6 +17,7 @@ from kvserve.core.sched_output import SchedulerOutput
 from kvserve.distributed.parallel import Parallel, init_distributed
 from kvserve.models.loader import load_model
 from kvserve.kernels import tuning
+from kvserve.worker.kv_connectors import build_worker_roles
 from kvserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class Worker:
                                   config.cache.block_size, config.device, config.cache.kv_cache_dtype,
                                   kv_calibration_ids, parallel, m.attention_backend)
         self.runner.eos_token_id = eos_token_id
+        self.runner.connector_roles = build_worker_roles(config)
         if (self.runner.device.type == "cuda" and self.runner.attention_backend.name == "triton"
                 and parallel.is_single and not m.enforce_eager):
             if m.max_model_len is None:
@@ -106,8 +107,3 @@ class Worker:
 
     def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         self.runner.write_kv_blocks(block_ids, data)
-
-    def blend(self, meta: Any) -> Any:
-        from kvserve.blend.forward import run_blend
-
-        return run_blend(self.runner, meta)

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.blend.forward import _rotation, attention_mass
-from kvserve.layers.rotary import apply_rotary
+from kvserve.blend.forward import attention_mass
 from kvserve.request import Request
 from tests.conftest import build_tiny_model
 
@@ -185,9 +184,49 @@ def test_rerotation_matches_k_computed_at_the_new_position(arch, tmp_path):
     offset = 12
     alone = _layer0_keys(llm, chunk)
     placed = _layer0_keys(llm, list(range(100, 100 + offset)) + chunk)[offset:]
-    cos, sin = _rotation(llm.engine.executor.runner, torch.full((len(chunk),), offset))
-    assert torch.allclose(apply_rotary(alone, cos, sin), placed, atol=1e-5)
+    model = llm.engine.executor.runner.model
+    assert torch.allclose(model.rerotate_keys(alone, torch.full((len(chunk),), offset)), placed, atol=1e-5)
     assert not torch.allclose(alone, placed, atol=1e-3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_query_probe_reproduces_hf_attention_weights(arch, tmp_path):
+    """The model's public query probe (what blending ranks tokens with) gives the queries its
+    attention is given: with the cached keys they reproduce HF's attention probabilities."""
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(tmp_path, arch)
+    ids = list(range(30, 50))
+    llm = LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=64, enable_prefix_caching=False)
+    runner = llm.engine.executor.runner
+    model, layers = runner.model, range(len(runner.kv_caches))
+    with model.probe_queries(layers) as queries:
+        runner.prefill_scratch(ids)
+        probed = dict(queries)
+    assert sorted(probed) == list(layers) and all(model.model.layers[i].self_attn.query_probe is None for i in layers)
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    pos = torch.arange(len(ids))[None]
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), output_attentions=True, output_hidden_states=True)
+        want = out.attentions
+        cos, sin = hf.model.rotary_emb(out.hidden_states[0], pos)
+    for i in layers:
+        attn = hf.model.layers[i].self_attn  # the layer's keys from its input, as HF computes them
+        with torch.no_grad():
+            x = hf.model.layers[i].input_layernorm(out.hidden_states[i])
+            k = attn.k_proj(x).view(1, len(ids), -1, attn.head_dim)
+            if getattr(attn, "k_norm", None) is not None:
+                k = attn.k_norm(k)
+            k = k.transpose(1, 2)
+            _, k = apply_rotary_pos_emb(k, k, cos, sin)
+        q = probed[i]  # [T, H, D]
+        kk = k[0].transpose(0, 1).repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [T, H, D]
+        scores = torch.einsum("thd,phd->htp", q, kk) * model.attention_scale
+        mask = torch.ones(len(ids), len(ids), dtype=torch.bool).triu(1)
+        probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
+        assert torch.allclose(probs, want[i][0], atol=1e-4), (i, (probs - want[i][0]).abs().max())
 
 
 def test_chunks_come_back_from_the_kv_tiers(model):

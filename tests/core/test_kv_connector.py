@@ -157,6 +157,8 @@ def test_finished_requests_keep_their_blocks_until_sent():
 
 
 def _multi(*parts: FakeConnector):
+    for i, c in enumerate(parts):
+        c.name = f"fake{i}"
     s = make_sched()
     s.connector = MultiConnector(list(parts))
     return s
@@ -171,7 +173,7 @@ def test_multi_connector_loads_from_each_in_turn_and_holds_until_all_sent():
         assert not step(s).num_scheduled_tokens and r.status == RequestStatus.WAITING_FOR_REMOTE_KV
     out = step(s)
     assert out.num_scheduled_tokens == {"load-send": BS + 1}  # 4 blocks loaded: 2 from each
-    meta_a, meta_b = out.kv_connector_meta
+    meta_a, meta_b = out.kv_connector_meta["fake0"], out.kv_connector_meta["fake1"]
     assert [blk for blk, _ in meta_a["onloads"]] == r.block_ids[:2]
     assert [blk for blk, _ in meta_b["onloads"]] == r.block_ids[2:4]
     assert r.num_cached_tokens_by_tier == {DEVICE_TIER: 0, "remote": 4 * BS}

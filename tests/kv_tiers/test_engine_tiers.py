@@ -170,8 +170,9 @@ def test_aborting_a_request_while_its_kv_is_fetched_leaves_nothing_staged(model_
         eng.add_request("gone", prompt, GREEDY)
         assert eng.scheduler.requests["gone"].status == RequestStatus.WAITING_FOR_REMOTE_KV  # the disk prefetch
         eng.abort_request("gone")
-        tiers._reads.join()  # the fetch has finished (it may have run before or after the abort)
-        assert not tiers._staged and not tiers._staged_by_req and not tiers._fetching and not tiers._cancelled
+        tiers.store.join_reads()  # the fetch has finished (it may have run before or after the abort)
+        loads = tiers._loads
+        assert not loads._results and not loads._running and not loads._cancelled
         again = _run(llm, [prompt])[0]  # the entries are still on disk for the next request
         assert again.num_cached_tokens_by_tier.get("disk") == 4 * BS
     finally:
