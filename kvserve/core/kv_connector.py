@@ -17,8 +17,8 @@ The scheduler and the KV manager stay pure bookkeeping and know only this interf
   worker role built inside each rank (`kvserve/engine/connectors.py` names it) runs in
   `ModelRunner.execute` with that rank's runner, and what it reports (`take_output`) comes back
   in `ModelRunnerOutput.kv_connector_output[name]` to the scheduler half's
-  `update_connector_output`. (The KV tiers' and P/D's worker halves still run in the engine
-  process, reaching the ranks through the executor.)
+  `update_connector_output`. (The KV tiers' worker half still runs in the engine process,
+  reaching the ranks through the executor.)
 
 A feature's per-request state lives in its connector, keyed by request id, not on `Request`; what
 a request asks of a connector travels in `SamplingParams.extra_args[<its request key>]`, checked
@@ -143,6 +143,12 @@ class KVConnector(ABC):
         where a decode engine fetches it), once."""
         return None
 
+    def needs_step(self, meta: Any) -> bool:
+        """Whether the step must reach the ranks although no token is scheduled: this step's plan
+        (`meta`, from build_meta) has work for the worker role, or the connector waits for news
+        from it (`update_connector_output`)."""
+        return False
+
     def update_connector_output(self, output: Any) -> None:
         """What this connector's worker role reported for a finished step (`take_output` on the
         output rank); called before the step's tokens are processed."""
@@ -161,7 +167,7 @@ class KVConnector(ABC):
 
 class KVConnectorWorker(ABC):
     """The worker half: carries out the scheduler half's plan around the forward. Inside a rank
-    `runner` is that rank's ModelRunner; in the engine process (the tiers and P/D, for now) it is
+    `runner` is that rank's ModelRunner; in the engine process (the KV tiers, for now) it is
     the executor, which reads and writes whole blocks on every rank. Called with `meta` None on
     steps the scheduler half planned nothing for."""
 
@@ -176,6 +182,18 @@ class KVConnectorWorker(ABC):
     def take_output(self) -> Any:
         """What the scheduler half's `update_connector_output` hears of this step (None: nothing)."""
         return None
+
+    def configure(self, info: Any) -> Any:
+        """What the engine knows only once every rank is up (the model's fingerprint, the whole
+        block's shape); returns what the scheduler role needs from this rank (None: nothing)."""
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this rank's role (the engine reads the output rank's)."""
+        return {}
+
+    def close(self) -> None:
+        """Stop background work; the rank is going away."""
 
 
 class MultiConnector(KVConnector, KVConnectorWorker):
@@ -236,6 +254,9 @@ class MultiConnector(KVConnector, KVConnectorWorker):
 
     def build_meta(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, Any]:
         return {c.name: c.build_meta(out, requests) for c in self.connectors}
+
+    def needs_step(self, meta: Mapping[str, Any]) -> bool:
+        return any(c.needs_step(meta.get(c.name)) for c in self.connectors)
 
     def update_connector_output(self, output: Mapping[str, Any]) -> None:
         for c in self.connectors:

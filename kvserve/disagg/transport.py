@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 POLL_MS = 5  # how often the sender thread looks for new blocks and expired leases
 PROBE_S = 0.5  # how often a waiting fetch checks that the prefill engine still listens
+UNKNOWN_GRACE_S = 2.0  # how long a fetch of a transfer id not registered (yet) waits before it is refused
 SHM_DIR = Path("/dev/shm")
 MAX_REQUEST_BYTES = 1 << 20  # a fetch or release message (a handshake, an id): anything larger is no peer's
 
@@ -86,8 +87,8 @@ class _Entry:
 class KVSender:
     """The prefill side: serves each transfer's blocks to the one decode engine that fetches them.
 
-    Threads: the engine thread adds transfers (`expect`, `put`) under the lock; one sender
-    thread owns the socket, the waiting fetches and the shm files."""
+    Threads: the output rank's step thread (disagg/worker.py) adds transfers (`expect`, `put`)
+    under the lock; one sender thread owns the socket, the waiting fetches and the shm files."""
 
     def __init__(self, host: str, port: int, handshake: dict[str, Any], lease_s: float,
                  auth: TransferAuth) -> None:
@@ -117,10 +118,10 @@ class KVSender:
 
     # ---- the engine thread ------------------------------------------------------
 
-    def expect(self, hashes: list[bytes]) -> str:
-        """A new transfer whose blocks come soon (`put`); returns its id. A fetch that arrives
-        before them waits for them."""
-        tid = uuid.uuid4().hex
+    def expect(self, hashes: list[bytes], tid: str | None = None) -> str:
+        """A new transfer whose blocks come soon (`put`), under `tid` (a new id when None);
+        returns its id. A fetch that arrives before them waits for them."""
+        tid = tid or uuid.uuid4().hex
         with self._lock:
             self._entries[tid] = _Entry(hashes, None, time.monotonic() + self.lease_s)
         return tid
@@ -189,30 +190,30 @@ class KVSender:
             self._reply(ident, nonce, {"ok": False, "error": f"handshake refused: {problem}"})
             return
         tid = str(msg.get("id"))
-        with self._lock:
-            known = tid in self._entries
-        if not known:
-            self._reply(ident, nonce, {"ok": False, "error": f"unknown transfer {tid!r}: never made here, already "
-                                                             f"fetched, or its lease ({self.lease_s:g} s) ran out"})
-            return
-        self._waiters.setdefault(tid, []).append((ident, nonce, bool(msg.get("shm"))))
+        # An id not known yet waits a little: the engine names a transfer in its response one step
+        # before its ranks register it here (disagg/worker.py).
+        self._waiters.setdefault(tid, []).append((ident, nonce, bool(msg.get("shm")), time.monotonic()))
 
     def _answer_waiters(self) -> None:
+        now = time.monotonic()
         for tid in list(self._waiters):
             with self._lock:
                 entry = self._entries.get(tid)
                 if entry is not None and entry.data is None:
                     continue  # its blocks are not copied out yet
+                if entry is None and now - self._waiters[tid][0][3] < UNKNOWN_GRACE_S:
+                    continue  # not registered yet, perhaps
                 self._entries.pop(tid, None)  # one fetch takes it
             waiters = self._waiters.pop(tid)
             if entry is None:
-                for ident, nonce, _ in waiters:
-                    self._reply(ident, nonce, {"ok": False, "error": f"transfer {tid!r} expired before its blocks "
-                                                                     f"were ready"})
+                for ident, nonce, _, _ in waiters:
+                    self._reply(ident, nonce, {"ok": False, "error": f"unknown transfer {tid!r}: never made here, "
+                                                                     f"already fetched, or its lease "
+                                                                     f"({self.lease_s:g} s) ran out"})
                 continue
-            (ident, nonce, use_shm), rest = waiters[0], waiters[1:]
+            (ident, nonce, use_shm, _), rest = waiters[0], waiters[1:]
             self._send_blocks(ident, nonce, entry, use_shm)
-            for other, other_nonce, _ in rest:
+            for other, other_nonce, _, _ in rest:
                 self._reply(other, other_nonce, {"ok": False, "error": f"transfer {tid!r} was fetched by another "
                                                                        f"engine"})
 

@@ -4,7 +4,8 @@ Each entry says when its connector is on, how the engine builds its scheduler ro
 of `SamplingParams.extra_args` its requests carry. The engine knows connectors only through this
 table and the interface: a request that carries the key of a connector this engine does not run is
 refused with the entry's message; one whose connector runs is checked by its `validate_request`.
-Their worker roles, built inside each rank, are listed in worker/kv_connectors.py.
+Their worker roles, built inside each rank, are listed in worker/kv_connectors.py; the engine
+process never imports those.
 """
 
 from __future__ import annotations
@@ -38,10 +39,14 @@ def _tiers(engine: Any, built: list[KVConnector]) -> KVConnector:
 def _kv_transfer(engine: Any, built: list[KVConnector]) -> KVConnector:
     from kvserve.disagg.connector import PDConnector
 
+    ex = engine.executor
     handshake = {"model": Path(engine.model_path).name, "block_size": engine.cache_config.block_size,
                  "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),
-                 "block_shape": list(engine.executor.kv_block_shape), "fingerprint": engine.model_fingerprint.hex()}
-    return PDConnector(engine.config.kv_transfer, handshake, engine.cache_config.block_size)
+                 "block_shape": list(ex.kv_block_shape), "fingerprint": engine.model_fingerprint.hex()}
+    connector = PDConnector(engine.config.kv_transfer, handshake, engine.cache_config.block_size)
+    # The worker role on the output rank holds the sender: where it listens goes into the params.
+    connector.set_worker_info(ex.collective_rpc("configure_kv_connector", "kv_transfer", handshake)[ex.output_rank])
+    return connector
 
 
 def _blend(engine: Any, built: list[KVConnector]) -> KVConnector:

@@ -289,7 +289,7 @@ class EngineCore:
         if self.executor.max_concurrent_batches > 1:
             return self._step_pipelined()
         so = self._schedule()
-        if not (so.num_scheduled_tokens or so.finished_req_ids):
+        if not (so.num_scheduled_tokens or so.finished_req_ids or self._connector_work(so)):
             return self._finish_step(so, ModelRunnerOutput())
         start = time.perf_counter()
         ro = self.executor.execute(so)
@@ -305,7 +305,7 @@ class EngineCore:
         the oldest is finished once the queue is full or nothing new could be scheduled."""
         if len(self._in_flight) < self.executor.max_concurrent_batches:
             so = self._schedule()
-            if so.num_scheduled_tokens or so.finished_req_ids:
+            if so.num_scheduled_tokens or so.finished_req_ids or self._connector_work(so):
                 self._in_flight.append((so, self.executor.execute_async(so)))
                 if len(self._in_flight) < self.executor.max_concurrent_batches and so.num_scheduled_tokens:
                     return []
@@ -313,6 +313,10 @@ class EngineCore:
             return []
         so, future = self._in_flight.popleft()
         return self._finish_step(so, future.result())
+
+    def _connector_work(self, so: SchedulerOutput) -> bool:
+        """A connector's worker role has work in this step, or news to report, with no token scheduled."""
+        return self.connector is not None and self.connector.needs_step(so.kv_connector_meta)
 
     def _schedule(self) -> SchedulerOutput:
         so = self.scheduler.schedule()
@@ -380,7 +384,17 @@ class EngineCore:
             "prefix_cache_hits": self.kv.prefix_cache_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             **(self.connector.stats() if self.connector is not None else {}),
+            **self._worker_connector_stats(),
         }
+
+    def _worker_connector_stats(self) -> dict[str, float | int]:
+        """The counters of the connectors' worker roles, from the output rank (where they move bytes)."""
+        if self.connector is None:
+            return {}
+        try:
+            return self.executor.collective_rpc("kv_connector_stats")[self.executor.output_rank]
+        except WorkerError:
+            return {}
 
     def clear_kv_cache(self) -> dict[str, int]:
         """Empty the device prefix cache (if no request holds blocks) and every KV tier;
@@ -403,9 +417,12 @@ class EngineCore:
                     logger.warning("KV tiers: blocks in memory not saved: %s", e)
             self.tiers.close()
             self.tiers = None
-        if self.transfer is not None:
-            self.transfer.close()
-            self.transfer = None
+        if self.connector is not None:
+            try:  # the worker roles in the ranks (a P/D sender's socket, fetch threads)
+                self.executor.collective_rpc("close_kv_connectors")
+            except WorkerError as e:
+                logger.warning("KV connectors: a rank is gone before its worker roles closed: %s", e)
+        self.transfer = None
         self.connector = None
         if self.kv_events is not None:
             self.kv_events.close()

@@ -2,29 +2,41 @@
 roles). A rank builds its roles once from the config; `ModelRunner.execute` runs them around each
 forward with that rank's runner and returns what they report in `kv_connector_output`, by name.
 
-The KV tiers' and prefill/decode transfer's worker halves still run in the engine process, moving
-whole blocks through the executor; they have no entry here yet.
+The KV tiers' worker half still runs in the engine process, moving whole blocks through the
+executor; it has no entry here yet.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from kvserve.config import EngineConfig
 from kvserve.core.kv_connector import KVConnectorWorker
 
 
-def _blend() -> KVConnectorWorker:
+def _kv_transfer(config: EngineConfig, runner: Any) -> KVConnectorWorker:
+    from kvserve.disagg.worker import PDWorker
+    from kvserve.worker.kv_blocks import WholeBlocks
+
+    par = config.parallel
+    return PDWorker(config.kv_transfer, WholeBlocks(runner, par.tensor_parallel_size, par.pipeline_parallel_size,
+                                                    par.rank))
+
+
+def _blend(config: EngineConfig, runner: Any) -> KVConnectorWorker:
     from kvserve.blend.forward import BlendWorker
 
     return BlendWorker()
 
 
-# name (the scheduler role's) -> (on for this config?, build)
-WORKER_ROLES: dict[str, tuple[Callable[[EngineConfig], bool], Callable[[], KVConnectorWorker]]] = {
+# name (the scheduler role's) -> (on for this config?, build it in this rank)
+WORKER_ROLES: dict[str, tuple[Callable[[EngineConfig], bool], Callable[[EngineConfig, Any], KVConnectorWorker]]] = {
+    "kv_transfer": (lambda c: c.kv_transfer.enabled, _kv_transfer),
     "blend": (lambda c: c.blend.enabled, _blend),
 }
 
 
-def build_worker_roles(config: EngineConfig) -> dict[str, KVConnectorWorker]:
-    return {name: build() for name, (enabled, build) in WORKER_ROLES.items() if enabled(config)}
+def build_worker_roles(config: EngineConfig, runner: Any) -> dict[str, KVConnectorWorker]:
+    """Every rank builds the same roles in the same order (some exchange shapes as they are built)."""
+    return {name: build(config, runner) for name, (enabled, build) in WORKER_ROLES.items() if enabled(config)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import torch
 
@@ -59,7 +60,7 @@ class Worker:
                                   config.cache.block_size, config.device, config.cache.kv_cache_dtype,
                                   kv_calibration_ids, parallel, m.attention_backend)
         self.runner.eos_token_id = eos_token_id
-        self.runner.connector_roles = build_worker_roles(config)
+        self.runner.connector_roles = build_worker_roles(config, self.runner)
         if (self.runner.device.type == "cuda" and self.runner.attention_backend.name == "triton"
                 and parallel.is_single and not m.enforce_eager):
             if m.max_model_len is None:
@@ -95,6 +96,20 @@ class Worker:
         return out
 
     # ---- KV blocks of this rank's layers and heads (the KV tiers) ---------------------------
+
+    def configure_kv_connector(self, name: str, info: Any) -> Any:
+        """Hand the connector `name`'s worker role what the engine knows once every rank is up."""
+        return self.runner.connector_roles[name].configure(info)
+
+    def kv_connector_stats(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = {}
+        for role in self.runner.connector_roles.values():
+            out.update(role.stats())
+        return out
+
+    def close_kv_connectors(self) -> None:
+        for role in self.runner.connector_roles.values():
+            role.close()
 
     def kv_block_shape(self) -> tuple[int, ...]:
         return self.runner.kv_block_shape

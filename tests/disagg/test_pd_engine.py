@@ -92,7 +92,7 @@ def test_disaggregated_equals_aggregated_and_hf(pair, reference, model_dir):
     for llm in pair:
         llm.engine.clear_kv_cache()
     transfer = prefill(p, PROMPTS)
-    assert all(t["do_remote_prefill"] and t["remote_port"] == p.engine.transfer.sender.port for t in transfer)
+    assert all(t["do_remote_prefill"] and t["remote_port"] == p.engine.transfer.sender_address[1] for t in transfer)
     assert [t["remote_num_blocks"] for t in transfer] == [(len(x) - 1) // BLOCK for x in PROMPTS]
     outs = decode(d, PROMPTS, transfer)
     assert [o.outputs[0].token_ids for o in outs] == reference

@@ -239,7 +239,7 @@ def test_sender_refuses_unsealed_and_replayed_fetches(pair):
         assert head["ok"] and n == 4
         head, n = ask(sealed)  # the same frames again
         assert not head["ok"] and "replayed message" in head["error"] and n == 3
-        assert p.engine.transfer.sender.messages_refused == 3
+        assert p.engine.executor.runner.connector_roles["kv_transfer"].sender.messages_refused == 3
     finally:
         sock.close()
 
