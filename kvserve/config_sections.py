@@ -46,8 +46,8 @@ EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 KV_ROLES = ("prefill", "decode", "both")  # --kv-role; vLLM's kv_producer / kv_consumer / kv_both
 KV_TRANSPORTS = ("auto", "zmq", "shm")  # disagg/transport.py; auto: shm when the peer is this host
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
-# Weight quantization methods: quant/base.py's METHODS (quant/methods.py loads each), listed here so
-# that checking a config imports no torch (tests/test_config.py checks the two agree).
+# Weight quantization methods (quant/methods.py loads each; quant/base.py's METHODS is this list),
+# listed here so that checking a config imports no torch.
 QUANTIZATION_METHODS = ("awq", "gptq", "int8", "fp8", "gguf")
 
 

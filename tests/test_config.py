@@ -225,14 +225,6 @@ def test_kvserve_commands_take_every_flag():
         assert config == EngineConfig.from_kwargs(tensor_parallel_size=2, kv_offload_cpu="1GiB", max_num_seqs=3)
 
 
-def test_config_lists_the_quantization_methods_of_quant():
-    """config.py checks --quantization without importing quant/ (torch); the two lists agree."""
-    from kvserve.config import QUANTIZATION_METHODS
-    from kvserve.quant.base import METHODS
-
-    assert QUANTIZATION_METHODS == METHODS
-
-
 def test_config_imports_no_torch():
     import subprocess
     import sys

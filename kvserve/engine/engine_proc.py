@@ -37,9 +37,6 @@ from kvserve.engine.wire import (ABORT, ADD, CLEAR_CACHE, ERROR, FATAL, OUTPUTS,
 from kvserve.fast_exit import exit_process
 from kvserve.lifetime import die_with_parent, remove_stale_temp_dirs
 
-# Re-exported: kvserve/server/ (accum, metrics, serving, serving_chat, serving_completion, serving_embedding)
-# and some tests still import the deltas (and ModelInfo) from here; import them from wire.py.
-from kvserve.engine.wire import CompletionDelta, RequestDelta  # noqa: F401
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.attention.backend import FP8_MAX, saturate_fp8
-
-METHODS = ("awq", "gptq", "int8", "fp8", "gguf")
+from kvserve.config_sections import QUANTIZATION_METHODS as METHODS  # listed once, where --quantization is checked
 
 
 @dataclass

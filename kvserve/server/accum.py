@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.blend.chunks import BLENDED, RECOMPUTED
-from kvserve.engine.engine_proc import CompletionDelta, RequestDelta
+from kvserve.engine.wire import CompletionDelta, RequestDelta
 from kvserve.server import protocol as P
 
 

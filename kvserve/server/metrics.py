@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvserve.engine.engine_proc import RequestDelta
+from kvserve.engine.wire import RequestDelta
 
 PREFIX = "kvserve:"
 

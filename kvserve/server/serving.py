@@ -25,7 +25,7 @@ from typing import Any
 from kvserve.blend.chunks import check_blend_spec, make_spec
 from kvserve.config import BlendConfig
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, KVLoadError
-from kvserve.engine.engine_proc import CompletionDelta, RequestDelta
+from kvserve.engine.wire import CompletionDelta, RequestDelta
 from kvserve.sampling_params import SamplingParams
 from kvserve.server import protocol as P
 from kvserve.server.accum import Accum

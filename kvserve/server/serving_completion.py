@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from kvserve.engine.engine_proc import CompletionDelta
+from kvserve.engine.wire import CompletionDelta
 from kvserve.server import protocol as P
 from kvserve.server.accum import Accum
 from kvserve.server.serving import APIError, Deltas, Receive, Serving

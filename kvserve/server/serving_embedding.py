@@ -21,7 +21,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from pydantic import BaseModel
 
-from kvserve.engine.engine_proc import RequestDelta
+from kvserve.engine.wire import RequestDelta
 from kvserve.pooling_params import PoolingParams
 from kvserve.server import protocol as P
 from kvserve.server.serving import APIError, Receive, Serving

@@ -21,7 +21,8 @@ from pathlib import Path
 import zmq
 
 from kvserve.engine.async_engine import AsyncEngine
-from kvserve.engine.engine_proc import SEND_TIMEOUT_MS, ParentLink, decode
+from kvserve.engine.engine_proc import SEND_TIMEOUT_MS, ParentLink
+from kvserve.engine.wire import decode
 from kvserve.kv_tiers.codec import decode_entry
 from kvserve.kv_tiers.disk import DiskTier
 from kvserve.lifetime import OWNER_FILE, keep_temp_dir, make_temp_dir, owner_line, remove_stale_temp_dirs

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvserve.engine.engine_proc import ModelInfo
+from kvserve.engine.wire import ModelInfo
 from kvserve.sampling_params import SamplingParams
 from kvserve.server import protocol as P
 from kvserve.server.serving import Serving

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvserve.engine.engine_proc import ModelInfo
+from kvserve.engine.wire import ModelInfo
 from tests.conftest import build_tiny_model
 from tests.serving import (MODEL, PROMPT, TINY_SERVER_ARGS, engine_pid, http_request, metric_values, open_stream,
                            running_server, sse_events, trickle_post)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvserve.engine.engine_proc import ModelInfo
+from kvserve.engine.wire import ModelInfo
 from kvserve.server.prompts import chat_prompt_ids
 from tests.serving import MODEL, PROMPT, http_request
 
