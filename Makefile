@@ -34,5 +34,5 @@ browser:
 
 # Import contracts first (.importlinter: the layering; a broken one names the import), then the tests.
 test: setup redis browser
-	$(VENV)/bin/lint-imports
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q
