@@ -11,14 +11,13 @@ The scheduler and the KV manager stay pure bookkeeping and know only this interf
   SchedulerOutput (`build_meta`), opaque to everyone else. A finished request's blocks stay
   held while the connector still needs them (`request_finished` -> True), until
   `finished_sending` names it.
-- the **worker half** (`KVConnectorWorker`) moves the bytes, carrying out the plan around the
-  step's forward: `before_forward` (offloads are read out before anything is written, then
-  loaded blocks are written in) and `after_forward` (K/V the forward computed). A connector's
-  worker role built inside each rank (`kvserve/engine/connectors.py` names it) runs in
-  `ModelRunner.execute` with that rank's runner, and what it reports (`take_output`) comes back
-  in `ModelRunnerOutput.kv_connector_output[name]` to the scheduler half's
-  `update_connector_output`. (The KV tiers' worker half still runs in the engine process,
-  reaching the ranks through the executor.)
+- the **worker role** (`KVConnectorWorker`) moves the bytes, carrying out the plan around the
+  step's forward inside each rank (`kvserve/worker/kv_connectors.py` names them):
+  `before_forward` (offloads are read out before anything is written, then loaded blocks are
+  written in) and `after_forward` (K/V the forward computed), with that rank's runner. What it
+  reports (`take_output`) comes back in `ModelRunnerOutput.kv_connector_output[name]` to the
+  scheduler half's `update_connector_output`. Whole blocks meet at the output rank
+  (worker/kv_blocks.py); the engine process never holds K/V.
 
 A feature's per-request state lives in its connector, keyed by request id, not on `Request`; what
 a request asks of a connector travels in `SamplingParams.extra_args[<its request key>]`, checked
@@ -166,10 +165,9 @@ class KVConnector(ABC):
 
 
 class KVConnectorWorker(ABC):
-    """The worker half: carries out the scheduler half's plan around the forward. Inside a rank
-    `runner` is that rank's ModelRunner; in the engine process (the KV tiers, for now) it is
-    the executor, which reads and writes whole blocks on every rank. Called with `meta` None on
-    steps the scheduler half planned nothing for."""
+    """The worker role: carries out the scheduler half's plan around the forward, inside a rank;
+    `runner` is that rank's ModelRunner. Called with `meta` None on steps the scheduler half
+    planned nothing for."""
 
     @abstractmethod
     def before_forward(self, meta: Any, runner: Any) -> None:
@@ -196,15 +194,15 @@ class KVConnectorWorker(ABC):
         """Stop background work; the rank is going away."""
 
 
-class MultiConnector(KVConnector, KVConnectorWorker):
+class MultiConnector(KVConnector):
     """Several connectors as one (vLLM's MultiConnector), e.g. the KV tiers and prefill/decode
     transfer on one engine. Each hears every eviction and every request. A lookup asks them in
     order, each from where the previous one's hits end, and the allocated blocks go back to
     the connector whose hits they take. A request waits while any of them loads for it and
     stays held while any of them sends it. The step's plan is a dict, each connector's under its
-    `name`. The engine-side worker halves run in order, so the tiers (first) read evicted blocks
-    out before anything is written into the step's new blocks. The engine always wraps its
-    connectors in one of these, even a single one."""
+    `name` (the worker roles run in order in each rank, the tiers first, so they read evicted
+    blocks out before anything is written into the step's new blocks). The engine always wraps
+    its connectors in one of these, even a single one."""
 
     def __init__(self, connectors: list[Any]) -> None:
         names = [c.name for c in connectors]
@@ -320,16 +318,6 @@ class MultiConnector(KVConnector, KVConnectorWorker):
     def close(self) -> None:
         for c in self.connectors:
             c.close()
-
-    def before_forward(self, meta: Mapping[str, Any], runner: Any) -> None:
-        for c in self.connectors:
-            if isinstance(c, KVConnectorWorker):
-                c.before_forward(meta.get(c.name), runner)
-
-    def after_forward(self, meta: Mapping[str, Any], runner: Any) -> None:
-        for c in self.connectors:
-            if isinstance(c, KVConnectorWorker):
-                c.after_forward(meta.get(c.name), runner)
 
 
 def _all_done(pending: dict[str, set[int]], i: int, rids: list[str]) -> list[str]:

@@ -8,9 +8,8 @@ EngineCore talks only to an Executor: `execute(scheduler_output)` for a step and
 - `mp`: one process per rank on this host (multiproc.py).
 - `ray`: one Ray actor per rank, across the machines of a Ray cluster (ray_executor.py).
 
-A KV block as the KV tiers see it spans every rank: its layers are split across pipeline
-stages and its KV heads across tensor-parallel ranks, so read_kv_blocks / write_kv_blocks
-gather and scatter the pieces here, and the tiers never learn the layout.
+No feature has a method here: the KV connectors' worker roles run inside the ranks
+(worker/kv_connectors.py) and move whole blocks between them (worker/kv_blocks.py).
 """
 
 from __future__ import annotations
@@ -18,8 +17,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import Any
-
-import torch
 
 from kvserve.config import EngineConfig
 from kvserve.core.sched_output import SchedulerOutput
@@ -77,57 +74,6 @@ class Executor(ABC):
     def shutdown(self) -> None:
         """Stop every rank; idempotent."""
 
-    # ---- KV blocks across ranks (the KV tiers' view of the cache) ------------------------
-
-    @property
-    def kv_block_shape(self) -> tuple[int, ...]:
-        """[layers, 2, block_size, kv_heads, head_dim] of one whole block."""
-        return self._whole_block_shape(self.collective_rpc("kv_block_shape"))
-
-    def _whole_block_shape(self, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
-        """One whole block's shape from every rank's piece of it."""
-        layers = sum(shapes[s * self.tp_size][0] for s in range(self.pp_size))
-        heads = sum(shapes[t][3] for t in range(self.tp_size))
-        first = shapes[0]
-        return (layers, first[1], first[2], heads, first[4])
-
-    def kv_scales(self) -> torch.Tensor | None:
-        """fp8 KV scales [layers, 2] of the whole model (None without an fp8 cache)."""
-        scales = self.collective_rpc("kv_scales")
-        if scales[0] is None:
-            return None
-        return torch.cat([scales[s * self.tp_size] for s in range(self.pp_size)])
-
-    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """[n, layers, 2, block_size, kv_heads, head_dim], assembled from every rank's piece."""
-        parts = self.collective_rpc("read_kv_blocks", block_ids)
-        stages = [torch.cat(parts[s * self.tp_size:(s + 1) * self.tp_size], dim=4) for s in range(self.pp_size)]
-        return torch.cat(stages, dim=1)
-
-    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Cut `data` (as read_kv_blocks returns it) into each rank's layers and heads, and write them.
-        Data of another shape is refused before any rank writes a byte."""
-        shapes = self.collective_rpc("kv_block_shape")
-        want = (len(block_ids), *self._whole_block_shape(shapes))
-        if tuple(data.shape) != want:
-            raise ValueError(f"KV block data is {list(data.shape)}; {len(block_ids)} blocks of this cache are "
-                             f"{list(want)}")
-        pieces, layer = [], 0
-        for s in range(self.pp_size):
-            n_layers = shapes[s * self.tp_size][0]
-            stage = data[:, layer:layer + n_layers]
-            layer += n_layers
-            head = 0
-            for t in range(self.tp_size):
-                heads = shapes[s * self.tp_size + t][3]
-                pieces.append(stage[:, :, :, :, head:head + heads].contiguous())
-                head += heads
-        self.scatter_rpc("write_kv_blocks", [(block_ids, p) for p in pieces])
-
-    def scatter_rpc(self, method: str, per_rank_args: list[tuple]) -> list[Any]:
-        """Worker.method(*per_rank_args[rank]) on each rank."""
-        raise NotImplementedError(f"{type(self).__name__} has no scatter_rpc")
-
 
 class UniExecutor(Executor):
     """One rank in this process: calls go straight to the Worker."""
@@ -146,9 +92,6 @@ class UniExecutor(Executor):
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         return [getattr(self.worker, method)(*args)]
-
-    def scatter_rpc(self, method: str, per_rank_args: list[tuple]) -> list[Any]:
-        return [getattr(self.worker, method)(*per_rank_args[0])]
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(so)

@@ -32,8 +32,12 @@ def _tiers(engine: Any, built: list[KVConnector]) -> KVConnector:
     from kvserve.kv_tiers.manager import TierManager
 
     ex = engine.executor
-    return TierManager(engine.config.tiers, engine.model_fingerprint, engine.cache_config.block_size,
-                       ex.kv_block_shape, engine.kv_dtype)
+
+    def rpc(method: str, *args: Any) -> Any:  # the tiers' worker role on every rank; the output rank's answer
+        return ex.collective_rpc("call_kv_connector", "tiers", method, *args)[ex.output_rank]
+
+    rpc("configure", engine.model_fingerprint)  # the output rank opens the tiers
+    return TierManager(engine.config.tiers, engine.model_fingerprint, engine.cache_config.block_size, rpc)
 
 
 def _kv_transfer(engine: Any, built: list[KVConnector]) -> KVConnector:
@@ -42,10 +46,10 @@ def _kv_transfer(engine: Any, built: list[KVConnector]) -> KVConnector:
     ex = engine.executor
     handshake = {"model": Path(engine.model_path).name, "block_size": engine.cache_config.block_size,
                  "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),
-                 "block_shape": list(ex.kv_block_shape), "fingerprint": engine.model_fingerprint.hex()}
+                 "block_shape": list(engine.kv_block_shape), "fingerprint": engine.model_fingerprint.hex()}
     connector = PDConnector(engine.config.kv_transfer, handshake, engine.cache_config.block_size)
     # The worker role on the output rank holds the sender: where it listens goes into the params.
-    connector.set_worker_info(ex.collective_rpc("configure_kv_connector", "kv_transfer", handshake)[ex.output_rank])
+    connector.set_worker_info(ex.collective_rpc("call_kv_connector", "kv_transfer", "configure", handshake)[ex.output_rank])
     return connector
 
 

@@ -32,6 +32,7 @@ from kvserve.outputs import RequestOutput
 from kvserve.pooling_params import pooling_params, with_default_pooling
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
+from kvserve.worker.kv_blocks import whole_block_shape
 from kvserve.worker.model_runner import ModelRunnerOutput, kv_bytes_per_block, kv_dtype_of
 
 logger = logging.getLogger(__name__)
@@ -161,8 +162,22 @@ class EngineCore:
         from kvserve.kv_tiers.manager import model_fingerprint
 
         weights = f"{self.dtype}|{self.quantization}"  # the same file loaded another way computes other K/V
-        return model_fingerprint(self.model_path, weights, self.kv_dtype, self.executor.kv_block_shape,
-                                 self.executor.kv_scales())
+        return model_fingerprint(self.model_path, weights, self.kv_dtype, self.kv_block_shape, self._kv_scales())
+
+    @functools.cached_property
+    def kv_block_shape(self) -> tuple[int, ...]:
+        """[layers, 2, block_size, kv_heads, head_dim] of one whole block (every rank's piece)."""
+        par = self.config.parallel
+        return whole_block_shape(self.executor.collective_rpc("kv_block_shape"), par.tensor_parallel_size,
+                                 par.pipeline_parallel_size)
+
+    def _kv_scales(self) -> torch.Tensor | None:
+        """fp8 KV scales [layers, 2] of the whole model (None without an fp8 cache)."""
+        scales = self.executor.collective_rpc("kv_scales")
+        if scales[0] is None:
+            return None
+        tp, pp = self.config.parallel.tensor_parallel_size, self.config.parallel.pipeline_parallel_size
+        return torch.cat([scales[s * tp] for s in range(pp)])
 
     def _kv_events(self, cfg: KVEventsConfig) -> KVEventPublisher:
         """Publish the blocks of the prefix cache and of every tier for routers."""
@@ -281,7 +296,12 @@ class EngineCore:
         self.processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to serve, or a connector that waits for news from the ranks (the KV tiers'
+        queued writes, whose events come back with a step)."""
+        return self.scheduler.has_unfinished_requests() or self._connector_busy()
+
+    def _connector_busy(self) -> bool:
+        return self.connector is not None and self.connector.needs_step({})
 
     # ---- the step loop ----------------------------------------------------
 
@@ -325,8 +345,8 @@ class EngineCore:
             self.abort_request(parent)
             self.errors[parent] = why
         if self.connector is not None:
-            self.connector.before_forward(so.kv_connector_meta, self.executor)
-            if not so.num_scheduled_tokens and (self.scheduler.num_loading or self.scheduler.held):
+            if not so.num_scheduled_tokens and (self.scheduler.num_loading or self.scheduler.held
+                                                or self._connector_busy()):
                 self.connector.wait(0.01)  # only requests waiting on their connector: don't spin
         return so
 
@@ -337,7 +357,6 @@ class EngineCore:
 
     def _finish_step(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> list[RequestOutput]:
         if self.connector is not None:
-            self.connector.after_forward(so.kv_connector_meta, self.executor)
             self.connector.update_connector_output(ro.kv_connector_output)
         updated = self.scheduler.update(so, ro.sampled) + self._finish_pooled(ro)
         outputs, stopped = self.processor.process(updated, ro)
@@ -409,13 +428,12 @@ class EngineCore:
         """Stop the KV tiers' background threads once their queued writes are done, then the ranks."""
         if self.tiers is not None:
             atexit.unregister(self.close)
-            self.tiers.flush()
-            if self.kv.cache is not None:
-                try:
-                    self.tiers.persist(self.kv.cache.cached_blocks(), self.executor)
-                except WorkerError as e:  # a rank is gone, and the KV it held with it
-                    logger.warning("KV tiers: blocks in memory not saved: %s", e)
-            self.tiers.close()
+            try:
+                self.tiers.flush()
+                if self.kv.cache is not None:
+                    self.tiers.persist(self.kv.cache.cached_blocks())
+            except WorkerError as e:  # a rank is gone, and the KV it held with it
+                logger.warning("KV tiers: blocks in memory not saved: %s", e)
             self.tiers = None
         if self.connector is not None:
             try:  # the worker roles in the ranks (a P/D sender's socket, fetch threads)

@@ -42,6 +42,11 @@ FLUSH_BUDGET_S = 10.0  # at close: how long pending writes may take
 Name = tuple[bytes, bytes]  # (chain hash, parent hash): how routers know a block
 
 
+def entry_key(fingerprint: bytes, block_hash: bytes) -> bytes:
+    """A block's key in every tier: its chain hash under the model's fingerprint."""
+    return hashlib.sha256(b"kvserve.tier.v1" + fingerprint + block_hash).digest()
+
+
 class TierListener(Protocol):
     def stored(self, tier: str, key: bytes, name: Name | None) -> None: ...
 
@@ -49,7 +54,8 @@ class TierListener(Protocol):
 
 
 class TierStore:
-    """Threads: the engine thread calls everything but `fetch`, which runs on the reader thread
+    """Lives in the output rank (worker.py). Threads: the rank's step thread calls everything but
+    `fetch`, which runs on the reader thread
     (`submit_read`), and the writes the store queues, which run on its writer thread. The tiers
     are thread-safe themselves (base.py); the store's counters go under `_lock`."""
 
@@ -82,7 +88,7 @@ class TierStore:
     # ---- keys and entries -------------------------------------------------------
 
     def key(self, block_hash: bytes) -> bytes:
-        return hashlib.sha256(b"kvserve.tier.v1" + self.fingerprint + block_hash).digest()
+        return entry_key(self.fingerprint, block_hash)
 
     def encode(self, b: EvictedBlock, data: torch.Tensor) -> bytes:
         meta = {"parent": b.parent_hash, "tokens": list(b.tokens), "shape": list(self.block_shape),
@@ -110,14 +116,17 @@ class TierStore:
         """Mark a host entry recently used; whether it is there."""
         return self.host is not None and self.host.touch(key)
 
-    def get(self, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> bytes | None:
-        """The block's verified data from host RAM, or None (absent, or corrupt: then deleted)."""
+    def get(self, key: bytes, parent: bytes, tokens: tuple[int, ...], strict: bool = False) -> bytes | None:
+        """The block's verified data from host RAM, or None (absent, or corrupt: then deleted;
+        `strict`: CorruptEntryError instead)."""
         blob = self.host.get(key) if self.host is not None else None
         if blob is None:
             return None
         try:
             return self.decode(key, blob, parent, tokens)
         except CorruptEntryError as e:
+            if strict:
+                raise
             logger.warning("dropping a corrupt host-tier KV entry: %s", e)
             self.remove(CPU, key)
             return None
@@ -139,18 +148,19 @@ class TierStore:
             return data, tier.name
         return None
 
-    def put(self, b: EvictedBlock, data: torch.Tensor) -> None:
+    def put(self, b: EvictedBlock, data: torch.Tensor) -> list[Evicted]:
         """An evicted block: into host RAM, whose LRU victims go down to the slow tiers they are
-        admitted to (by hits); without a host tier, straight down."""
+        admitted to (by hits); without a host tier, straight down. Returns host RAM's victims."""
         blob, key, name = self.encode(b, data), self.key(b.block_hash), (b.block_hash, b.parent_hash)
         if self.host is None:
             self._demote([Evicted(key, blob, 0)], {key: name})
-            return
+            return []
         ok, evicted = self.host.put_evicting(key, blob)
         if ok:
             self.count(f"bytes_{CPU}", len(blob))
             self.listener.stored(CPU, key, name)
         self._demote(evicted, {e.key: self.listener.removed(CPU, e.key) for e in evicted})
+        return evicted
 
     def put_remote(self, b: EvictedBlock, data: torch.Tensor) -> None:
         """Write-through: a block the forward just computed goes to the remote store (queued)."""
@@ -220,8 +230,9 @@ class TierStore:
         out: dict[str, int | float | bool | str] = {"kv_tier_writes_dropped": c.get("writes_dropped", 0)}
         for tier in self.tiers():
             s, n = tier.stats(), tier.name
-            out.update({f"kv_tier_{n}_queries": c.get(f"{n}_queries", 0), f"kv_tier_{n}_hits": c.get(f"{n}_hits", 0),
-                        f"kv_tier_{n}_bytes_offloaded": c.get(f"bytes_{n}", 0),
+            if n != CPU:  # host RAM's lookups are the scheduler role's (manager.py)
+                out.update({f"kv_tier_{n}_queries": c.get(f"{n}_queries", 0), f"kv_tier_{n}_hits": c.get(f"{n}_hits", 0)})
+            out.update({f"kv_tier_{n}_bytes_offloaded": c.get(f"bytes_{n}", 0),
                         f"kv_tier_{n}_entries": s["entries"], f"kv_tier_{n}_bytes_used": s["bytes_used"],
                         f"kv_tier_{n}_capacity_bytes": s["capacity_bytes"],
                         f"kv_tier_{n}_available": bool(s["available"]),
@@ -234,20 +245,23 @@ class TierStore:
         return {t.name: t.clear() for t in self.tiers()}
 
     def persist(self, cached: list[EvictedBlock], read_blocks: Callable[[list[int]], torch.Tensor],
-                timeout: float = FLUSH_BUDGET_S) -> int:
-        """Save what would be lost at shutdown to the disk tier: blocks still cached on the device
-        (read_blocks: their K/V), then the host tier's entries (most recently used first); returns
-        how many were written. Bounded by `timeout` so a stop never hangs on a slow disk."""
-        if self.disk is None:
-            return 0
+                timeout: float = FLUSH_BUDGET_S, every_chunk: bool = False) -> int:
+        """Save what would be lost at shutdown to the disk tier: device blocks (read_blocks: their
+        K/V; the caller leaves out those the disk has), then the host tier's entries (most recently
+        used first); returns how many were written. Bounded by `timeout` so a stop never hangs on a
+        slow disk; `every_chunk`: read every chunk even past it (other ranks read with this one)."""
         deadline, written = time.monotonic() + timeout, 0
-        todo = [b for b in cached if not self.disk.contains(self.key(b.block_hash))]
-        for i in range(0, len(todo), 64):
-            if time.monotonic() > deadline:
+        for i in range(0, len(cached), 64):
+            late = time.monotonic() > deadline
+            if late and not every_chunk:
                 return written
-            chunk = todo[i:i + 64]
-            for b, d in zip(chunk, read_blocks([b.block_id for b in chunk])):
-                written += self.disk.put(self.key(b.block_hash), self.encode(b, d))
+            chunk = cached[i:i + 64]
+            data = read_blocks([b.block_id for b in chunk])
+            if self.disk is not None and not late:
+                for b, d in zip(chunk, data):
+                    written += self.disk.put(self.key(b.block_hash), self.encode(b, d))
+        if self.disk is None:
+            return written
         for key in reversed(self.host.keys_lru() if self.host is not None else []):
             if time.monotonic() > deadline:
                 break
@@ -261,6 +275,11 @@ class TierStore:
         deadline = time.monotonic() + timeout
         while self._writes.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.01)
+
+    @property
+    def pending_writes(self) -> int:
+        """Writes queued for the slow tiers, not done yet."""
+        return self._writes.unfinished_tasks
 
     def join_reads(self) -> None:
         """Until every queued read has run (tests)."""

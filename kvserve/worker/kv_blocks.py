@@ -86,6 +86,9 @@ class WholeBlocks:
 
     def scatter(self, block_ids: list[int], data: torch.Tensor | None) -> None:
         """Write [n, *whole] blocks (given on the leader, None elsewhere) into every rank's piece."""
+        if self.is_leader and tuple(data.shape) != (len(block_ids), *self.shape):  # every rank raises alike
+            raise ValueError(f"KV block data is {list(data.shape)}; {len(block_ids)} blocks of this cache are "
+                             f"{[len(block_ids), *self.shape]}")
         if self.world == 1:
             self.runner.write_kv_blocks(block_ids, data)
             return

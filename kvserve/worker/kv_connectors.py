@@ -1,9 +1,6 @@
 """The KV connectors' worker roles that run inside a rank (engine/connectors.py lists the scheduler
 roles). A rank builds its roles once from the config; `ModelRunner.execute` runs them around each
 forward with that rank's runner and returns what they report in `kv_connector_output`, by name.
-
-The KV tiers' worker half still runs in the engine process, moving whole blocks through the
-executor; it has no entry here yet.
 """
 
 from __future__ import annotations
@@ -15,13 +12,23 @@ from kvserve.config import EngineConfig
 from kvserve.core.kv_connector import KVConnectorWorker
 
 
-def _kv_transfer(config: EngineConfig, runner: Any) -> KVConnectorWorker:
-    from kvserve.disagg.worker import PDWorker
+def _whole_blocks(config: EngineConfig, runner: Any) -> Any:
     from kvserve.worker.kv_blocks import WholeBlocks
 
     par = config.parallel
-    return PDWorker(config.kv_transfer, WholeBlocks(runner, par.tensor_parallel_size, par.pipeline_parallel_size,
-                                                    par.rank))
+    return WholeBlocks(runner, par.tensor_parallel_size, par.pipeline_parallel_size, par.rank)
+
+
+def _tiers(config: EngineConfig, runner: Any) -> KVConnectorWorker:
+    from kvserve.kv_tiers.worker import TierWorker
+
+    return TierWorker(config.tiers, _whole_blocks(config, runner))
+
+
+def _kv_transfer(config: EngineConfig, runner: Any) -> KVConnectorWorker:
+    from kvserve.disagg.worker import PDWorker
+
+    return PDWorker(config.kv_transfer, _whole_blocks(config, runner))
 
 
 def _blend(config: EngineConfig, runner: Any) -> KVConnectorWorker:
@@ -31,7 +38,9 @@ def _blend(config: EngineConfig, runner: Any) -> KVConnectorWorker:
 
 
 # name (the scheduler role's) -> (on for this config?, build it in this rank)
+# In this order: the tiers first, so they read evicted blocks out before anything is written.
 WORKER_ROLES: dict[str, tuple[Callable[[EngineConfig], bool], Callable[[EngineConfig, Any], KVConnectorWorker]]] = {
+    "tiers": (lambda c: c.tiers.enabled, _tiers),
     "kv_transfer": (lambda c: c.kv_transfer.enabled, _kv_transfer),
     "blend": (lambda c: c.blend.enabled, _blend),
 }

@@ -97,9 +97,10 @@ class Worker:
 
     # ---- KV blocks of this rank's layers and heads (the KV tiers) ---------------------------
 
-    def configure_kv_connector(self, name: str, info: Any) -> Any:
-        """Hand the connector `name`'s worker role what the engine knows once every rank is up."""
-        return self.runner.connector_roles[name].configure(info)
+    def call_kv_connector(self, name: str, method: str, *args: Any) -> Any:
+        """A method of the connector `name`'s worker role in this rank (configure, and what a
+        connector manages through the engine's collective_rpc: flush, persist, clear)."""
+        return getattr(self.runner.connector_roles[name], method)(*args)
 
     def kv_connector_stats(self) -> dict[str, float | int]:
         out: dict[str, float | int] = {}
@@ -117,8 +118,3 @@ class Worker:
     def kv_scales(self) -> torch.Tensor | None:
         return self.runner.kv_scales
 
-    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        return self.runner.read_kv_blocks(block_ids)
-
-    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        self.runner.write_kv_blocks(block_ids, data)

@@ -311,13 +311,13 @@ def test_silent_peers_cost_their_own_requests_only(pair, reference):
     assert d.engine.stats()["kv_blocks_used"] == 0
 
 
-def test_executor_refuses_blocks_of_another_shape(pair):
+def test_whole_blocks_refuse_data_of_another_shape(pair):
     """The last line of defence, under the connector's checks: nothing is written."""
     _, d = pair
-    ex = d.engine.executor
-    good = ex.read_kv_blocks([0, 1])
+    blocks = d.engine.executor.runner.connector_roles["kv_transfer"].blocks
+    good = blocks.gather([0, 1])
     with pytest.raises(ValueError, match=r"KV block data is \[2, .*\]; 2 blocks of this cache are \[2, "):
-        ex.write_kv_blocks([0, 1], good.reshape(*good.shape[:4], -1))
+        blocks.scatter([0, 1], good.reshape(*good.shape[:4], -1))
     with pytest.raises(ValueError, match=r"; 1 blocks of this cache are"):
-        ex.write_kv_blocks([0], good)
-    assert torch.equal(ex.read_kv_blocks([0, 1]), good)
+        blocks.scatter([0], good)
+    assert torch.equal(blocks.gather([0, 1]), good)

@@ -170,9 +170,12 @@ def test_aborting_a_request_while_its_kv_is_fetched_leaves_nothing_staged(model_
         eng.add_request("gone", prompt, GREEDY)
         assert eng.scheduler.requests["gone"].status == RequestStatus.WAITING_FOR_REMOTE_KV  # the disk prefetch
         eng.abort_request("gone")
-        tiers.store.join_reads()  # the fetch has finished (it may have run before or after the abort)
-        loads = tiers._loads
+        worker = eng.executor.runner.connector_roles["tiers"]  # the output rank's worker role
+        worker.store.join_reads()  # the fetch has finished (it may have run before or after the abort)
+        eng.step()  # the abort's cancel reaches the worker
+        loads = worker._loads
         assert not loads._results and not loads._running and not loads._cancelled
+        assert not tiers._fetching and not tiers._staged
         again = _run(llm, [prompt])[0]  # the entries are still on disk for the next request
         assert again.num_cached_tokens_by_tier.get("disk") == 4 * BS
     finally:
