@@ -192,7 +192,7 @@ class TierWorker(KVConnectorWorker):
 
     def persist(self, blocks: list[EvictedBlock], timeout: float = FLUSH_BUDGET_S) -> int:
         """Every rank: save these device blocks, then host RAM's entries, to the disk tier."""
-        read = self.blocks.gather if self.blocks.world > 1 else self.blocks.runner.read_kv_blocks
+        read = self.blocks.gather  # the output rank's whole blocks; None on the others
         if not self.leader:
             for i in range(0, len(blocks), 64):  # the output rank gathers them all
                 read([b.block_id for b in blocks[i:i + 64]])

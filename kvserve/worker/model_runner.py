@@ -140,6 +140,7 @@ class ModelRunner:
         self.kv_caches = [(_zeroed_pool(shape, self.kv_dtype, self.device), _zeroed_pool(shape, self.kv_dtype, self.device))
                           for _ in range(start, end)]
         # fp8: (k_scale, v_scale) of each Attention layer in model order; the layers hold them too.
+        self.decode_stack = None  # built below, once the fp8 KV scales are calibrated
         self.kv_scales: torch.Tensor | None = None
         if self.kv_dtype == FP8:
             if not kv_calibration_ids:
@@ -188,7 +189,7 @@ class ModelRunner:
                  ) -> torch.Tensor | None:
         """This stage's part of the forward: take the previous stage's hidden states, hand ours to
         the next; the final hidden states on the last stage, None before it."""
-        stack = getattr(self, "decode_stack", None)  # not built yet while __init__ calibrates fp8 KV scales
+        stack = self.decode_stack
         if stack is not None and stack.runs(input_ids.shape[0], meta, kv_caches):
             return stack.forward(input_ids, positions, meta)  # a single stage: the stack runs no pipeline
         pp = self.parallel.pp
