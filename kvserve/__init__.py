@@ -5,9 +5,9 @@ import kvserve.threads  # noqa: F401
 from kvserve.config import EngineConfig
 from kvserve.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from kvserve.pooling_params import PoolingParams
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput", "Logprob",
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "PoolingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "EmbeddingOutput", "EmbeddingRequestOutput"]
 __version__ = "0.1.0"
 

@@ -20,6 +20,48 @@ def _is_num(v: object) -> bool:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text, as vLLM (v0.12+) spells it: exactly one of `json`
+    (a JSON schema, as a dict or its JSON text), `regex`, `choice`, `grammar` (EBNF / GBNF text)
+    or `json_object` (any JSON object). `whitespace_pattern` narrows the whitespace a JSON
+    constraint allows. Compiled by the backend in kvserve/structured/."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        set_kinds = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {set_kinds or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (object or string), got {self.json!r}")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"structured_outputs.{name} must be a string, got {v!r}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be a boolean, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON values (for the wire and for cache keys)."""
+        return {f: getattr(self, f) for f in (*self.KINDS, "whitespace_pattern") if getattr(self, f) is not None}
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -40,6 +82,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # A grammar the output must follow (kvserve/structured/); a dict is converted on construction.
+    structured_outputs: StructuredOutputsParams | None = None
     # Arguments for parts of the engine beyond sampling, as vLLM's extra_args: "kv_transfer_params"
     # (disagg/params.py). Must survive msgpack: plain JSON values.
     extra_args: dict[str, Any] | None = None
@@ -47,6 +91,8 @@ class SamplingParams:
     stop_strings: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate_types()
         self._validate_ranges()
         if isinstance(self.stop, str):
@@ -76,6 +122,9 @@ class SamplingParams:
                 raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
         if isinstance(stop, str) and stop == "" or isinstance(stop, (list, tuple)) and "" in stop:
             raise ValueError("stop must not contain empty strings")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams, a dict or None, got {so!r}")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}")
         ids = self.stop_token_ids

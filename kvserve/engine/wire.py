@@ -158,7 +158,10 @@ def decode(buf: bytes) -> dict[str, Any]:
 
 
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
+    d = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
+    if params.structured_outputs is not None:
+        d["structured_outputs"] = params.structured_outputs.to_dict()
+    return d
 
 
 def params_from_wire(d: dict[str, Any]) -> SamplingParams:
