@@ -16,6 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 
+# A step with no token scheduled while the ranks load for waiting requests: how long the worker
+# role waits in the step for a load to finish (it returns as soon as one does). The engine itself
+# does not sleep then, so a finished load is seen at once, not at the next poll.
+IDLE_WAIT_S = 0.01
+
+
 class FinishedLoads:
     """Request ids whose background load has finished, handed from loader threads to the engine
     thread: what a connector's `finished_loading` and `wait` read."""
@@ -109,4 +115,9 @@ class BackgroundLoads:
         return self._done.drain()
 
     def wait(self, timeout: float) -> None:
+        """Until a load finishes (one not reported yet counts) or `timeout` passes; at once when
+        no load runs."""
+        with self._lock:
+            if not self._running:
+                return
         self._done.wait(timeout)

@@ -35,6 +35,7 @@ from typing import Any
 
 from kvserve.config import KVTransferConfig
 from kvserve.core.kv_connector import EvictedBlock, KVConnector, TierHit
+from kvserve.core.kv_loads import IDLE_WAIT_S
 from kvserve.core.prefix_cache import compute_block_hashes, max_cached_blocks
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.disagg.auth import sign_params
@@ -172,8 +173,13 @@ class PDConnector(KVConnector):
         self._step.writes.append(WritePlan(request.request_id, list(block_ids), [index[h.block_hash] for h in hits]))
 
     def build_meta(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> PDStepMeta:
+        if self._fetching and not out.num_scheduled_tokens:
+            self._step.idle_wait_s = IDLE_WAIT_S
         meta, self._step = self._step, PDStepMeta()
         return meta
+
+    def wait(self, timeout: float) -> None:
+        """The worker role waits in the step for a fetch to finish (PDStepMeta.idle_wait_s)."""
 
     def forget(self, request_id: str) -> None:
         if self._fetching.pop(request_id, None) is not None or self._loaded.pop(request_id, None) is not None:

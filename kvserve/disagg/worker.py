@@ -70,9 +70,10 @@ class PDStepMeta:
     fetches: list[FetchPlan] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
     writes: list[WritePlan] = field(default_factory=list)
+    idle_wait_s: float = 0.0  # no token this step, fetches under way: wait for one (kv_loads.IDLE_WAIT_S)
 
     def __bool__(self) -> bool:
-        return bool(self.sends or self.fetches or self.cancels or self.writes)
+        return bool(self.sends or self.fetches or self.cancels or self.writes or self.idle_wait_s)
 
 
 class PDWorker(KVConnectorWorker):
@@ -135,7 +136,8 @@ class PDWorker(KVConnectorWorker):
             self.blocks.scatter(w.block_ids, data)
 
     def after_forward(self, meta: PDStepMeta | None, runner: Any) -> None:
-        pass
+        if meta and meta.idle_wait_s and self.leader:  # nothing else to do: report a fetch the moment it ends
+            self._loads.wait(meta.idle_wait_s)
 
     def take_output(self) -> dict[str, Any] | None:
         if not self.leader:

@@ -24,6 +24,7 @@ import torch
 from kvserve.config import TierConfig
 from kvserve.core.kv_connector import EvictedBlock, KVConnector, TierHit
 from kvserve.core.kv_events import KVEventSink
+from kvserve.core.kv_loads import IDLE_WAIT_S
 from kvserve.core.prefix_cache import block_tokens, compute_block_hashes, max_cached_blocks
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.kv_tiers.store import CPU, FLUSH_BUDGET_S, entry_key
@@ -167,8 +168,13 @@ class TierManager(KVConnector):
     def build_meta(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> TierStepMeta:
         if self.cfg.writes_through:
             self._step.writes = self._new_full_blocks(out, requests)
+        if self._fetching and not out.num_scheduled_tokens:
+            self._step.idle_wait_s = IDLE_WAIT_S
         meta, self._step = self._step, TierStepMeta()
         return meta
+
+    def wait(self, timeout: float) -> None:
+        """The worker role waits in the step for a prefetch to finish (TierStepMeta.idle_wait_s)."""
 
     def _new_full_blocks(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> list[EvictedBlock]:
         """Full blocks the step's forward completes, not sent to the remote tier before."""

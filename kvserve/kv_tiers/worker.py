@@ -56,6 +56,7 @@ class TierStepMeta:
     fetches: list[tuple[str, list[tuple[bytes, bytes, tuple[int, ...]]]]] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)  # after this step's onloads: drop what was staged
     writes: list[EvictedBlock] = field(default_factory=list)  # filled by the forward: to the remote tier
+    idle_wait_s: float = 0.0  # no token this step, prefetches under way: wait for one (kv_loads.IDLE_WAIT_S)
 
 
 class TierWorker(KVConnectorWorker):
@@ -150,6 +151,8 @@ class TierWorker(KVConnectorWorker):
     def after_forward(self, meta: TierStepMeta | None, runner: Any) -> None:
         if meta is None:
             return
+        if meta.idle_wait_s and self.leader:  # nothing else to do: report a prefetch the moment it ends
+            self._loads.wait(meta.idle_wait_s)
         if meta.writes:
             # The copy is taken now (the blocks may be reused after this step); encoding and the
             # store's round trips happen on the writer thread.

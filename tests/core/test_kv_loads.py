@@ -68,3 +68,18 @@ def test_wait_returns_when_a_load_finishes():
     threading.Timer(0.05, loads.run, args=("e", lambda: 1)).start()
     loads.wait(5)
     assert loads.finished() == ["e"]
+
+
+def test_wait_does_not_block_with_no_load_running():
+    """An idle step's wait (kv_loads.IDLE_WAIT_S) must not stall the engine when nothing loads:
+    with a huge timeout it returns at once, both before any load and after the last one ended."""
+    loads = BackgroundLoads()
+    done = threading.Event()
+    threading.Thread(target=lambda: (loads.wait(3600), done.set()), daemon=True).start()
+    assert done.wait(5)
+    loads.begin("f")
+    loads.run("f", lambda: 1)
+    assert loads.finished() == ["f"]
+    done.clear()
+    threading.Thread(target=lambda: (loads.wait(3600), done.set()), daemon=True).start()
+    assert done.wait(5)

@@ -228,3 +228,32 @@ def test_tier_hit_rate_counts_a_request_waiting_for_room_once(model_dir):
         assert hit == 4 * BS and queried == 4 * BS + BS, (queried, hit)  # + the long prompt's one miss
     finally:
         llm.close()
+
+
+def test_an_idle_engine_waits_for_a_prefetch_inside_the_step(model_dir, tmp_path):
+    """With only a disk prefetch to wait for, the engine does not sleep and poll: the step's plan
+    asks the output rank's worker role to wait for the load (idle_wait_s), and a step with tokens
+    scheduled never waits."""
+    prompt = _prompts(1, 70, seed=9)[0]
+    disk = str(tmp_path / "kv")
+    _saved_to_disk(model_dir, disk, prompt)
+    llm = _llm(model_dir, num_kv_blocks=64, kv_offload_disk=disk)
+    try:
+        eng = llm.engine
+        worker = eng.executor.runner.connector_roles["tiers"]
+        seen: list[tuple[float, bool]] = []
+        after = worker.after_forward
+
+        def spy(meta, runner):
+            seen.append((meta.idle_wait_s, eng.scheduler.requests["p"].status == RequestStatus.RUNNING))
+            after(meta, runner)
+
+        worker.after_forward = spy
+        eng.add_request("p", prompt, GREEDY)
+        assert eng.scheduler.requests["p"].status == RequestStatus.WAITING_FOR_REMOTE_KV
+        while eng.has_unfinished_requests():
+            eng.step()
+        assert seen[0][0] > 0  # the first step had nothing but the prefetch to wait for
+        assert all(w == 0 for w, running in seen if running)  # the steps that compute never wait
+    finally:
+        llm.close()
