@@ -60,9 +60,6 @@ def _blend(engine: Any, built: list[KVConnector]) -> KVConnector:
     if engine.kv.cache is None or not engine.kv.cache.supports_tiers:
         raise ValueError("enable_blending finds chunks by chain hash: it needs prefix caching with "
                          "--prefix-cache hash")
-    if config.parallel.world_size != 1:
-        raise ValueError("enable_blending runs on one rank: tensor_parallel_size and "
-                         "pipeline_parallel_size must be 1")
     if resolve_attention_backend(config.model.attention_backend, config.device) == "triton":
         raise ValueError("enable_blending needs the torch or cpu attention backend (triton has no "
                          "query positions)")

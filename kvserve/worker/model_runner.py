@@ -137,6 +137,8 @@ class ModelRunner:
         head_start, head_end = kv_head_range(kv_heads, self.parallel.tp)
         shape = (num_blocks, block_size, head_end - head_start, head_dim)
         start, end = self.parallel.layer_range(hf_config.num_hidden_layers)
+        # The model's decoder layers, and those of this pipeline stage [start, end) (kv_caches[i - start]).
+        self.num_layers, self.layer_range = hf_config.num_hidden_layers, (start, end)
         self.kv_caches = [(_zeroed_pool(shape, self.kv_dtype, self.device), _zeroed_pool(shape, self.kv_dtype, self.device))
                           for _ in range(start, end)]
         # fp8: (k_scale, v_scale) of each Attention layer in model order; the layers hold them too.

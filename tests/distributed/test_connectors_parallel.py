@@ -99,7 +99,57 @@ def test_pd_transfer_between_a_tp2_prefill_and_a_pp2_decode_engine(model_dir, re
         d.close()
 
 
+SEP = " # # "
+DOCS = ["The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog.",
+        "Paged attention stores keys and values in fixed-size blocks. Prefix caching reuses the KV cache.",
+        "Continuous batching lets requests join and leave every step. Paged attention stores keys."]
+BLEND = dict(dtype="float32", block_size=4, num_kv_blocks=400, check_integrity=True, enable_blending=True,
+             blend_max_deviation=1e9)  # a random model's K/V deviate wildly: the guard would recompute all
+
+
+def _rag(order, question: str) -> str:
+    return "Notes for the answer." + SEP + SEP.join(DOCS[i] for i in order) + SEP + question
+
+
+def _blend_runs(llm: LLM) -> list:
+    """Chunks computed on their own first, then reused (in another order) at several recompute
+    ratios and check layers: before, in and after a stage of a 4-layer model split in two."""
+    outs = []
+    runs = [((0, 1, 2), 0.0, 1), ((1, 2, 0), 0.3, 1), ((2, 0, 1), 0.3, 2), ((2, 1, 0), 0.5, 0), ((0, 2, 1), 1.0, 1)]
+    for order, ratio, check in runs:
+        params = SamplingParams(temperature=0, max_tokens=6, logprobs=5, ignore_eos=True,
+                                extra_args={"blend": {"recompute_ratio": ratio, "check_layer": check}})
+        outs += llm.generate([_rag(order, f"Question {ratio} {check}: what")], params, use_tqdm=False)
+    return outs
+
+
+@pytest.fixture(scope="module")
+def blend_model(tmp_path_factory):
+    from tests.conftest import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-blend-4"), "llama", num_hidden_layers=4))
+
+
+@pytest.fixture(scope="module")
+def blend_reference(blend_model):
+    llm = LLM(blend_model, **BLEND)
+    try:
+        return _blend_runs(llm)
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("tp,pp", LAYOUTS)
-def test_blending_refuses_more_than_one_rank(model_dir, tp, pp):
-    with pytest.raises(ValueError, match="enable_blending runs on one rank"):
-        _llm(model_dir, tp, pp, enable_blending=True)
+def test_blending_under_parallelism_matches_one_rank(blend_model, blend_reference, tp, pp):
+    """Every rank runs the same plan on its heads and layers and adds its share of the measures
+    that pick tokens: the same tokens are recomputed (the usage split) and the outputs match."""
+    llm = LLM(blend_model, tensor_parallel_size=tp, pipeline_parallel_size=pp, **BLEND)
+    try:
+        outs = _blend_runs(llm)
+        assert llm.engine.stats()["kv_blocks_used"] == 0
+    finally:
+        llm.close()
+    for out, ref in zip(outs, blend_reference):
+        assert out.num_cached_tokens_by_tier == ref.num_cached_tokens_by_tier
+        assert out.num_cached_tokens_by_tier["recomputed"] > 0
+    assert_same_greedy(outs, blend_reference)
