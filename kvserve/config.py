@@ -23,7 +23,8 @@ from typing import Any, Literal
 from kvserve.config_kv import MIN_KV_KEY_BYTES, KVEventsConfig, KVTransferConfig, TierConfig
 from kvserve.config_sections import (ATTENTION_BACKENDS, BLEND_SEPARATOR, CUDA_DEFAULT_GPU_MEMORY_UTILIZATION, DTYPES,
                                      EXECUTOR_BACKENDS, KV_CACHE_DTYPES, KV_LOAD_FAILURE_POLICIES, KV_ROLES,
-                                     KV_TRANSPORTS, POOLING_CHOICES, PREFIX_CACHES, QUANTIZATION_METHODS, BlendConfig,
+                                     KV_TRANSPORTS, POOLING_CHOICES, PREFIX_CACHES, QUANTIZATION_METHODS,
+                                     STRUCTURED_OUTPUTS_BACKENDS, BlendConfig,
                                      CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, check_bool,
                                      check_choice, check_int, check_kv_sizing, check_recompute_ratio,
                                      parse_cpu_threads_bind, parse_json_object, parse_size, resolve_attention_backend,
@@ -57,6 +58,7 @@ class EngineConfig:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     blend: BlendConfig = field(default_factory=BlendConfig)
     device: str = "cpu"
+    structured_outputs_backend: str = "auto"  # the grammar library (kvserve/structured/registry.py)
     check_integrity: bool = False  # check the KV cache's invariants after every step (tests)
 
     def __post_init__(self) -> None:
@@ -66,6 +68,7 @@ class EngineConfig:
         if not isinstance(self.device, str) or not self.device:
             raise ValueError(f"device must be a device name such as 'cpu' or 'cuda', got {self.device!r}")
         check_bool("check_integrity", self.check_integrity)
+        check_choice("structured_outputs_backend", self.structured_outputs_backend, STRUCTURED_OUTPUTS_BACKENDS)
         resolve_attention_backend(self.model.attention_backend, self.device)  # refuses a pair that cannot run
 
     @classmethod
@@ -184,6 +187,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("device", "device", "torch device, e.g. cpu or cuda"),
     Flag("check_integrity", "check_integrity", "check the KV cache's invariants after every step",
          cli=False),
+    Flag("structured_outputs_backend", "structured_outputs_backend",
+         "grammar library for structured outputs (JSON schema, regex, choice, grammar): xgrammar or guidance "
+         "(llguidance); auto: xgrammar, the faster per step on a CPU (BENCHMARKS.md), else guidance",
+         choices=STRUCTURED_OUTPUTS_BACKENDS),
     # ---- parallelism
     Flag("tensor_parallel_size", "parallel.tensor_parallel_size",
          "ranks that shard each layer's weights", group="parallel", type=int, aliases=("-tp",)),

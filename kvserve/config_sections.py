@@ -41,6 +41,8 @@ DTYPES = ("auto", "bfloat16", "float32", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")  # attention/: cpu_backend.py, torch_backend.py, ...
 PREFIX_CACHES = ("hash", "radix")
+# --structured-outputs-backend: kvserve/structured/ (auto: the faster on the CPU path, BENCHMARKS.md)
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
 POOLING_CHOICES = ("last", "mean")  # --pooling: vLLM's PoolerConfig pooling_type LAST / MEAN
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 KV_ROLES = ("prefill", "decode", "both")  # --kv-role; vLLM's kv_producer / kv_consumer / kv_both

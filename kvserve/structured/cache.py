@@ -1,0 +1,50 @@
+"""Compiled grammars by constraint, compiled on a thread pool so the engine's step never waits."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+from kvserve.structured.backend import ConstraintKey
+
+DEFAULT_CAPACITY = 256
+
+
+class CompileCache:
+    """key -> Future of its compiled grammar; a failure is cached too (the same text fails again).
+    Least recently used entries go first beyond `capacity`.
+
+    Threads: `get` is called by the engine thread; compiles run on the pool and touch only the
+    compile function and their own future. The lock guards the table."""
+
+    def __init__(self, compile_fn: Callable[[ConstraintKey], Any], max_workers: int = 1,
+                 capacity: int = DEFAULT_CAPACITY) -> None:
+        self.compile_fn = compile_fn
+        self.capacity = capacity
+        self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvserve-grammar")
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[ConstraintKey, Future] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: ConstraintKey) -> Future:
+        with self._lock:
+            fut = self._entries.get(key)
+            if fut is not None:
+                self.hits += 1
+                self._entries.move_to_end(key)
+                return fut
+            self.misses += 1
+            fut = self.pool.submit(self.compile_fn, key)
+            self._entries[key] = fut
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)  # a request holding its future keeps it alive
+            return fut
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
