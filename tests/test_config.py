@@ -17,7 +17,7 @@ from kvserve.engine_args import add_engine_args
 # A non-default value of every flag, as an LLM keyword value (the CLI gets str(value)).
 EXAMPLES = {
     "model": "/models/tiny.gguf", "dtype": "float32", "quantization": "gguf", "kv_cache_dtype": "fp8",
-    "attention_backend": "torch", "enforce_eager": True,
+    "attention_backend": "torch", "enforce_eager": True, "structured_outputs_backend": "guidance",
     "max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 32,
     "kv_cache_memory": "3GiB", "gpu_memory_utilization": 0.5, "num_kv_blocks": 100, "enable_prefix_caching": False,
     "prefix_cache": "radix",
