@@ -70,6 +70,9 @@ def add_bench_parser(subparsers: Any) -> None:
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="run one untimed small batch first (one-time kernel set-up is not throughput)")
     p.add_argument("--output-json", default=None, help="also write the numbers to this JSON file")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="kvserve: constrain every request's output to this JSON schema (structured outputs); a "
+                        "request ends when its JSON is complete (as in vLLM) or at its output length")
     add_engine_args(p)
     p.set_defaults(func=cmd_throughput)
     add_serve_bench_parser(bench_sub)
@@ -82,6 +85,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if args.json_schema and args.backend != "kvserve":
+        raise ValueError("--json-schema constrains kvserve's outputs; --backend hf has no constraint")
     if args.backend == "kvserve":
         result = _run_kvserve(args)
     else:
@@ -119,7 +124,13 @@ def _run_kvserve(args: argparse.Namespace) -> BenchResult:
     llm = LLM(config=EngineConfig.from_cli_args(args))
     reqs = build_requests(args, llm.get_tokenizer())
     prompts = [r.prompt_token_ids for r in reqs]
-    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0) for r in reqs]
+    constraint = None
+    if args.json_schema:
+        from kvserve import StructuredOutputsParams
+
+        constraint = StructuredOutputsParams(json=json.loads(Path(args.json_schema).read_text()))
+    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0,
+                             structured_outputs=constraint) for r in reqs]
     if args.warmup:
         warm = [r.prompt_token_ids for r in _warmup_requests(reqs, args.max_num_seqs)]
         llm.generate(warm, SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True, temperature=0.0),

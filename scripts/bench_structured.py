@@ -1,0 +1,145 @@
+"""Structured outputs (issue 34): what the constraint costs and what it buys, on the default model.
+
+1. validity: each schema of kvserve/bench/json_schemas.py (32) asked for in a chat, greedy, up to
+   --max-tokens tokens: the share of outputs that parse and validate (jsonschema), through kvserve
+   with the schema as a constraint, and through HF transformers' `generate` with no constraint (the
+   same GGUF, the same chat template, greedy);
+2. compile: each schema compiled cold by the engine's grammar backend (a fresh backend, every
+   schema once): p50 / p99 / max;
+3. steps while compiling: --streams unconstrained greedy decodes run on the engine; at every 8th
+   step a request with a schema never seen before arrives (its grammar compiles on the compile
+   pool while the engine steps on). Step times with compiles in flight against a run without any
+   constrained request (same streams): median, p99, max.
+
+The cost in throughput is `kvserve bench throughput --json-schema FILE` against the same command
+without it (BENCHMARKS.md has both).
+
+    .venv/bin/python scripts/bench_structured.py [--max-tokens 192] [--streams 8] [--skip-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import uuid
+
+from kvserve import LLM, SamplingParams, StructuredOutputsParams
+from kvserve.bench.json_schemas import SCHEMAS, schema_prompt
+
+
+def _valid(text: str, schema: dict) -> bool:
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), schema)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+def validity_kvserve(llm: LLM, max_tokens: int) -> list[bool]:
+    out = []
+    for _, what, schema in SCHEMAS:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens,
+                                structured_outputs=StructuredOutputsParams(json=schema))
+        text = llm.chat(schema_prompt(what, schema), params, use_tqdm=False)[0].outputs[0].text
+        out.append(_valid(text, schema))
+    return out
+
+
+def validity_hf(max_tokens: int) -> list[bool]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvserve.bench.throughput import _dense_gguf_config, _hf_model_source
+
+    directory, gguf = _hf_model_source(None)
+    tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32,
+                                                 **_dense_gguf_config()).eval()
+    out = []
+    for _, what, schema in SCHEMAS:
+        ids = tok.apply_chat_template(schema_prompt(what, schema), add_generation_prompt=True, return_tensors="pt",
+                                      return_dict=True)["input_ids"]
+        with torch.inference_mode():
+            gen = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+        out.append(_valid(tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True), schema))
+    return out
+
+
+def compile_times(llm: LLM) -> list[float]:
+    from kvserve.structured.backend import constraint_key
+    from kvserve.structured.registry import backend_class
+
+    tok = llm.get_tokenizer()
+    eng = llm.engine
+    cls = backend_class(eng.config.model.structured_outputs_backend)
+    backend = cls.from_tokenizer(tok, eng.hf_config.vocab_size, tok.eos_token_id)
+    times = []
+    for _, _, schema in SCHEMAS[:20]:
+        key = constraint_key(StructuredOutputsParams(json=schema))
+        t = time.perf_counter()
+        backend.compile(key)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def step_times(llm: LLM, streams: int, steps: int, with_compiles: bool) -> list[float]:
+    eng = llm.engine
+    prompt = llm.get_tokenizer()("Write a long story about a robot who learns to paint.")["input_ids"]
+    for i in range(streams):
+        eng.add_request(f"s{i}-{uuid.uuid4().hex[:6]}", prompt,
+                        SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True))
+    for _ in range(4):  # the prefills
+        eng.step()
+    times = []
+    for n in range(steps):
+        if with_compiles and n % 8 == 0:
+            _, what, schema = SCHEMAS[(n // 8) % len(SCHEMAS)]
+            unique = {**schema, "description": uuid.uuid4().hex}  # never compiled before
+            eng.add_request(f"c{n}", prompt, SamplingParams(temperature=0, max_tokens=8,
+                                                            structured_outputs=StructuredOutputsParams(json=unique)))
+        t = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t)
+    for rid in list(eng.scheduler.requests):
+        eng.abort_request(rid)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return times
+
+
+def _summary(xs: list[float]) -> str:
+    s = sorted(xs)
+    return (f"median {statistics.median(s) * 1e3:.1f} ms, p99 {s[min(len(s) - 1, int(0.99 * len(s)))] * 1e3:.1f} ms, "
+            f"max {s[-1] * 1e3:.1f} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=160)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    llm = LLM()
+    ours = validity_kvserve(llm, args.max_tokens)
+    print(f"validity, kvserve constrained: {sum(ours)}/{len(ours)}")
+    if not args.skip_hf:
+        theirs = validity_hf(args.max_tokens)
+        print(f"validity, HF generate unconstrained: {sum(theirs)}/{len(theirs)}")
+    times = compile_times(llm)
+    s = sorted(times)
+    print(f"compile (cold, {len(s)} schemas): p50 {statistics.median(s) * 1e3:.1f} ms, "
+          f"p99 {s[min(len(s) - 1, int(0.99 * len(s)))] * 1e3:.1f} ms, max {s[-1] * 1e3:.1f} ms")
+    plain = step_times(llm, args.streams, args.steps, with_compiles=False)
+    busy = step_times(llm, args.streams, args.steps, with_compiles=True)
+    print(f"steps, {args.streams} streams, no constrained request: {_summary(plain)}")
+    print(f"steps, {args.streams} streams, a cold compile every 8 steps: {_summary(busy)}")
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()
