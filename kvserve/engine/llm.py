@@ -10,6 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from kvserve.blend.chunks import make_spec
+from kvserve.chat_tools import conversation, template_takes_tools
 from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.inputs import PROMPT_KEYS, UNSUPPORTED_PROMPT_KEYS, PromptType, TextPrompt, TokensPrompt
@@ -19,7 +20,7 @@ from kvserve.sampling_params import SamplingParams
 
 __all__ = ["LLM", "PromptType", "TextPrompt", "TokensPrompt"]
 
-Message = dict[str, str]
+Message = dict[str, Any]
 # One prompt ready for the engine: its text (when known), token ids and cache salt.
 _Encoded = tuple[str | None, list[int], str | None]
 
@@ -109,18 +110,19 @@ class LLM:
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None, tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them and generate;
-        one output per conversation, in order."""
+        one output per conversation, in order. `tools` (OpenAI function tools) are rendered as the
+        server renders them: by the template if it takes them, else in kvserve's default format
+        (kvserve/chat_tools.py); the calls the model writes are in the output's text."""
         convs = _conversations(messages)
         single = isinstance(messages[0], dict)
         prompts: list[Any] = []
         for i, conv in enumerate(convs):
             try:
-                ids = self.apply_chat_template(conv, add_generation_prompt, chat_template)
+                ids = self.apply_chat_template(conv, add_generation_prompt, chat_template, tools)
                 if self.engine.config.blend.enabled:  # chunks are found in the rendered text
-                    text = self.engine.tokenizer.apply_chat_template(
-                        conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tokenize=False)
+                    text = self.apply_chat_template(conv, add_generation_prompt, chat_template, tools, tokenize=False)
                     prompts.append(TokensPrompt(prompt=text, prompt_token_ids=ids))
                 else:
                     prompts.append(ids)
@@ -129,15 +131,25 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> list[int]:
+                            chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
+                            tokenize: bool = True) -> Any:
+        """The conversation's token ids (or, with tokenize=False, its text) through the chat template."""
         tok = self.engine.tokenizer
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                     for m in messages):
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and "role" in m and ("content" in m or m.get("tool_calls")) for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        if chat_template is None and not getattr(tok, "chat_template", None):
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+            raise ValueError("tools must be a list of {'type': 'function', 'function': {...}} dicts")
+        template = chat_template or getattr(tok, "chat_template", None)
+        if not template:
             raise ValueError(f"the model at {self.engine.model_path} has no chat template")
-        out = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                      chat_template=chat_template, tokenize=True)
+        native = template_takes_tools(template)
+        conv = conversation([{**m, "content": m.get("content") or ""} for m in messages], tools, native)
+        extra = {"tools": tools} if tools and native else {}
+        out = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                      chat_template=chat_template, tokenize=tokenize, **extra)
+        if not tokenize:
+            return out
         # transformers 5 returns a BatchEncoding; 4.x a plain list.
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 

@@ -2,6 +2,7 @@
 
     kvserve serve [MODEL] --host 127.0.0.1 --port 8000 [engine flags] [--api-key KEY]
                   [--served-model-name NAME] [--max-waiting N] [--max-n N]
+                  [--tool-call-parser NAME] [--reasoning-parser NAME] [--chat-template FILE]
 
 The engine process gets the compute cores (--cpu-threads, --cpu-threads-bind); this one, which
 only tokenizes and speaks HTTP, keeps one torch thread.
@@ -52,6 +53,44 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help=f"the largest n (samples per prompt) a request may ask for; more gets 400 "
                         f"(default {DEFAULT_MAX_N})")
     add_http_limit_args(g, "max-model-len tokens")
+    _add_chat_args(p.add_argument_group("chat: tools, reasoning, template (README: Tools, structured outputs "
+                                        "and reasoning)"))
+
+
+def _add_chat_args(g: Any) -> None:
+    from kvserve.server.reasoning_parsers import REASONING_PARSERS
+    from kvserve.server.tool_parsers import TOOL_PARSERS
+
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help='how tool calls are read from the output under tool_choice "auto" (hermes: <tool_call> '
+                        'tags, as Qwen2.5/Qwen3/SmolLM2 and kvserve\'s default tool prompt write them); without '
+                        'it "auto" is refused with a 400, "required" and a named function still work')
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='accepted as in vLLM; tool_choice "auto" needs only --tool-call-parser')
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split <think>...</think> into message.reasoning_content / delta.reasoning_content")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template used instead of the model's (a file, or the template's text)")
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template's text: the file's, or the value itself when it is a template and not a path."""
+    if value is None:
+        return None
+    if "{{" in value or "{%" in value:
+        text = value
+    else:
+        try:
+            text = Path(value).read_text()
+        except OSError as e:
+            raise ValueError(f"--chat-template: no such file: {value} ({e.strerror})") from None
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: not a valid Jinja template: {e}") from None
+    return text
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -64,6 +103,9 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.max_n < 1:
         raise ValueError(f"--max-n must be at least 1, got {args.max_n}")
     check_http_limit_args(args)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    args.chat_template_text = load_chat_template(args.chat_template)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
 
@@ -80,6 +122,7 @@ def _leave_cores_to_engine() -> None:
 async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
     from kvserve.engine.async_engine import AsyncEngine, load_tokenizer
     from kvserve.server.openai_api import build_app
+    from kvserve.server.serving import ChatSettings
 
     # The engine process is spawned first, so its imports and model load run beside this
     # process's own (BENCHMARKS.md, "Start and stop": a test model's server 14.1 -> 11.5 s).
@@ -99,7 +142,9 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
         model = config.model.model
         name = args.served_model_name or Path(model.rstrip("/") if model else info.model_path).stem
         app = build_app(engine, tokenizer, name, api_key=args.api_key, max_waiting=args.max_waiting,
-                        max_request_bytes=args.max_request_bytes, max_n=args.max_n)
+                        max_request_bytes=args.max_request_bytes, max_n=args.max_n,
+                        chat_settings=ChatSettings(args.tool_call_parser, args.reasoning_parser,
+                                                   getattr(args, "chat_template_text", None)))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                 timeout_graceful_shutdown=5,
                                 http=h11_with_header_timeout(args.header_timeout, args.body_timeout))

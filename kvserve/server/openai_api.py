@@ -25,7 +25,7 @@ from kvserve.server import protocol as P
 from kvserve.server.dashboard import add_dashboard
 from kvserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, BodyLimit
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.serving import DEFAULT_MAX_N, RETRY_AFTER_S, APIError, ClientGone, engine_dead
+from kvserve.server.serving import DEFAULT_MAX_N, RETRY_AFTER_S, APIError, ChatSettings, ClientGone, engine_dead
 from kvserve.server.serving_chat import ChatServing
 from kvserve.server.serving_completion import CompletionServing
 from kvserve.server.serving_embedding import EmbeddingServing, add_embedding_routes
@@ -117,14 +117,14 @@ OPEN_PATHS = ("/health", "/version", "/metrics", "/kv_events", "/dashboard", "/o
 
 def build_app(engine: AsyncEngine, tokenizer: Any, served_model_name: str, api_key: str | None = None,
               max_waiting: int = 1024, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              max_n: int = DEFAULT_MAX_N) -> FastAPI:
+              max_n: int = DEFAULT_MAX_N, chat_settings: ChatSettings | None = None) -> FastAPI:
     app = FastAPI(title="kvserve", version=kvserve.__version__)
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     add_dashboard(app)
     metrics = ServerMetrics()
     pool = TokenizerPool(max_waiting)  # one tokenizer thread for every route
-    shared = (engine, tokenizer, served_model_name, metrics, max_waiting, max_n, pool)
+    shared = (engine, tokenizer, served_model_name, metrics, max_waiting, max_n, pool, chat_settings)
     completion, chat = CompletionServing(*shared), ChatServing(*shared)
     info = engine.model_info
 

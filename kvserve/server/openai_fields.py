@@ -42,16 +42,17 @@ _SHARED: dict[str, Policy] = {
 
 CHAT_FIELDS: dict[str, Policy] = {
     **_SHARED,
-    "messages": (HONOURED, "text content only, through the model's chat template"),
+    "messages": (HONOURED, "text content only, through the model's chat template; tool calls and tool results "
+                           "too"),
     "max_completion_tokens": (HONOURED, "wins over max_tokens"),
     "top_logprobs": (HONOURED, "needs logprobs: true"),
-    "response_format": (HONOURED, 'only {"type": "text"}, the default; json_object and json_schema are not '
-                                  "supported yet"),
+    "response_format": (HONOURED, "text, json_object or json_schema: the output is constrained to it "
+                                  "(structured_fields.py)"),
     "modalities": (HONOURED, 'only ["text"], the default; this server has no audio output'),
     "metadata": (IGNORED, "tags for stored completions; nothing is stored here"),
     "store": (IGNORED, "stores the completion at the provider for evals or distillation; nothing is stored here"),
     "service_tier": (IGNORED, "a provider's processing tier; this server has one"),
-    "parallel_tool_calls": (IGNORED, "only has a meaning with tools, which are refused"),
+    "parallel_tool_calls": (HONOURED, "false: at most one tool call (tools.py)"),
     "prompt_cache_key": (IGNORED, "a provider's cache-routing hint; prefix caching here is automatic "
                                   "(cache_salt keeps a tenant's cache apart)"),
     "prompt_cache_retention": (IGNORED, "how long a provider keeps a cached prefix; here the KV tiers decide"),
@@ -59,8 +60,10 @@ CHAT_FIELDS: dict[str, Policy] = {
     "safety_identifier": (IGNORED, "an end-user id for the provider's abuse monitoring; this server keeps no "
                                    "per-user record"),
     "prediction": (IGNORED, "predicted output only lowers a provider's latency; the answer is the same without it"),
-    "tools": (REFUSED, "tool calling is not supported yet"),
-    "tool_choice": (REFUSED, "tool calling is not supported yet"),
+    "tools": (HONOURED, "function tools, rendered by the chat template or kvserve's default format "
+                        "(kvserve/chat_tools.py)"),
+    "tool_choice": (HONOURED, "none, auto (needs --tool-call-parser), required, or a named function "
+                              "(constrained to the call's JSON)"),
     "functions": (REFUSED, "function calling (deprecated form of tools) is not supported"),
     "function_call": (REFUSED, "function calling (deprecated form of tool_choice) is not supported"),
     "audio": (REFUSED, "audio output is not supported"),

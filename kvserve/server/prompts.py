@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.chat_tools import ChatToolsError, conversation, template_takes_tools
+
 
 class PromptError(ValueError):
     """The request cannot become a prompt; the server answers 400 with this message and param."""
@@ -106,18 +108,22 @@ _RESERVED_TEMPLATE_VARS = frozenset({
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], limits: TextLimits | None = None, *,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    add_special_tokens: bool = False,
-                    chat_template_kwargs: dict[str, Any] | None = None, as_text: bool = False) -> Any:
+                    add_special_tokens: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+                    as_text: bool = False, tools: list[dict[str, Any]] | None = None,
+                    chat_template: str | None = None) -> Any:
     """Token ids of a chat: the model's chat template over the messages, with the generation
-    prompt. Messages are dicts with "role" and "content" (str, text parts, or None); their
-    text together is one prompt to `limits` (check_prompt_text).
+    prompt. Messages are dicts with "role" and "content" (str, text parts, or None), and an
+    assistant's "tool_calls" or a tool message's "tool_call_id"; their text together is one prompt
+    to `limits` (check_prompt_text).
 
     The defaults are what /v1/chat/completions computes (and the router hashes). /tokenize also
     takes vLLM's other options, with apply_chat_template's meaning: `continue_final_message`
     leaves the last message open for the model to go on with (instead of the generation prompt;
     not both), `add_special_tokens` has the tokenizer add its own (BOS...) to the rendered text,
     `chat_template_kwargs` are extra variables for the template (e.g. enable_thinking).
-    `as_text`: the rendered text instead of its tokens."""
+    `tools` (function tools as the OpenAI API sends them) are rendered by the template if it takes
+    them, else in kvserve's default format (kvserve/chat_tools.py); `chat_template` replaces the
+    model's (--chat-template). `as_text`: the rendered text instead of its tokens."""
     if add_generation_prompt and continue_final_message:
         raise PromptError("add_generation_prompt and continue_final_message cannot both be true: the first "
                           "starts a new assistant message, the second continues the last one", "continue_final_message")
@@ -128,18 +134,43 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], limits: Text
                           "the request)", "chat_template_kwargs")
     if continue_final_message:
         extra["continue_final_message"] = True
+    msgs = _template_messages(messages)
+    texts = [m["content"] for m in msgs]
+    check_prompt_text(texts, [f"messages[{i}].content" for i in range(len(texts))], None, "messages")
+    check_prompt_text(["".join(texts)], ["messages"], limits, "messages")
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise PromptError("the model has no chat template; use /v1/completions", "messages")
+    native = template_takes_tools(template)
+    try:
+        msgs = conversation(msgs, tools, native)
+    except ChatToolsError as e:
+        raise PromptError(e.message, e.where) from None
+    if tools and native:
+        extra["tools"] = tools
+    if chat_template is not None:
+        extra["chat_template"] = chat_template
+    return _apply_template(tokenizer, msgs, add_generation_prompt, add_special_tokens, as_text, extra)
+
+
+def _template_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """The messages with their content as text, OpenAI's developer role as system (which templates
+    know), and what tool calling adds (tool_calls, tool_call_id, a tool's name)."""
     msgs = []
     for m in messages:
         if not isinstance(m, dict):
             raise PromptError("each message must be an object with a role and a content", "messages")
         role = m.get("role")
-        # OpenAI's "developer" role is the system prompt under another name; templates know "system".
-        msgs.append({"role": "system" if role == "developer" else role, "content": _message_text(m.get("content"))})
-    texts = [m["content"] for m in msgs]
-    check_prompt_text(texts, [f"messages[{i}].content" for i in range(len(texts))], None, "messages")
-    check_prompt_text(["".join(texts)], ["messages"], limits, "messages")
-    if not getattr(tokenizer, "chat_template", None):
-        raise PromptError("the model has no chat template; use /v1/completions", "messages")
+        msg = {"role": "system" if role == "developer" else role, "content": _message_text(m.get("content"))}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if m.get(key) is not None:
+                msg[key] = m[key]
+        msgs.append(msg)
+    return msgs
+
+
+def _apply_template(tokenizer: Any, msgs: list[dict[str, Any]], add_generation_prompt: bool,
+                    add_special_tokens: bool, as_text: bool, extra: dict[str, Any]) -> Any:
     try:
         if as_text:
             return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=False,

@@ -17,7 +17,7 @@ import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator,
-                      field_validator)
+                      field_validator, model_validator)
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
@@ -123,6 +123,13 @@ class _SamplingFields(_Strict):
     kv_transfer_params: dict[str, Any] | None = None
     # Non-prefix chunk reuse (a server started with --enable-blending): the chunks, and the knobs
     blend: BlendOptions | None = None
+    # Constrained decoding (vLLM's): StructuredOutputsParams' fields (json, regex, choice, grammar,
+    # json_object, whitespace_pattern); structured_fields.py maps it and the deprecated guided_* fields
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -135,11 +142,30 @@ class CompletionRequest(_SamplingFields):
     suffix: Refused = None
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object as text, as the OpenAI API sends it
+
+
+class ToolCallParam(_Strict):
+    """A tool call of an assistant message in the history (as a response's message.tool_calls)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     # Required except for an assistant message (the OpenAI API lets one that made tool calls omit it).
     content: ContentInput = Field(default=None, validate_default=True)
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant message's calls
+    tool_call_id: str | None = None  # a tool message's: the call it answers
+    # What a response's message carries, so a client can append that message to the history as it is
+    # (not rendered: templates drop past reasoning)
+    reasoning_content: str | None = None
+    refusal: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -149,10 +175,63 @@ class ChatMessage(_Strict):
             raise PydanticCustomError("missing", "a {role} message needs content", {"role": role})
         return value
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_of_assistant(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and info.data.get("role") != "assistant":
+            raise PydanticCustomError("not_allowed", "only an assistant message has tool_calls")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _id_of_tool(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and info.data.get("role") != "tool":
+            raise PydanticCustomError("not_allowed", "only a tool message has a tool_call_id")
+        return value
+
+    @model_validator(mode="after")
+    def _tool_needs_id(self) -> ChatMessage:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise PydanticCustomError("missing", "a tool message needs a tool_call_id")
+        return self
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:\-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+ToolChoiceInput = Annotated[Literal["none", "auto", "required"] | NamedToolChoice | None,
+                            _one_of('"none", "auto", "required" or {"type": "function", "function": {"name": ...}}')]
+
+
+class JsonSchemaFormat(_Strict):
+    field_prefix = "response_format.json_schema."
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
 
 class ResponseFormat(_Strict):
-    type: str  # only "text" is served (serving_chat.py says so in a 400)
-    json_schema: dict[str, Any] | None = None  # taken so the 400 is about the type, not this field
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -168,15 +247,15 @@ class ChatCompletionRequest(_SamplingFields):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = None
     prediction: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoiceInput = None
+    parallel_tool_calls: bool | None = None
     # refused (openai_fields.py says why)
-    tools: Refused = None
-    tool_choice: Refused = None
     functions: Refused = None
     function_call: Refused = None
     audio: Refused = None
@@ -211,6 +290,7 @@ class TokenizeChatRequest(_Strict):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None  # rendered as /v1/chat/completions renders them
     return_token_strs: bool | None = False
 
 
@@ -282,9 +362,23 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # --reasoning-parser: the reasoning, apart from the answer (vLLM's field)
+    reasoning_content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -305,9 +399,25 @@ class ChatCompletionResponse(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's: where its K/V wait
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed tool call's part: the first has its id, type and name, the next ones argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

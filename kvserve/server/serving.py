@@ -26,7 +26,7 @@ from kvserve.blend.chunks import check_blend_spec, make_spec
 from kvserve.config import BlendConfig
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, KVLoadError
 from kvserve.engine.wire import CompletionDelta, RequestDelta
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.server import protocol as P
 from kvserve.server.accum import Accum
 from kvserve.server.metrics import ServerMetrics
@@ -80,6 +80,15 @@ def engine_error(e: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error")
 
 
+def constraint_error(err: APIError, field: str | None) -> APIError:
+    """The engine's refusal of a request's constraint (its message starts with structured_outputs:
+    a schema or regex the grammar backend cannot compile) names `field`, where the constraint came
+    from (response_format, tool_choice, ...)."""
+    if field and err.status == 400 and err.param is None and err.message.startswith("structured_outputs"):
+        err.param = field
+    return err
+
+
 def engine_dead(why: str) -> APIError:
     return APIError(503, f"the engine is not running: {why}", "service_unavailable",
                     headers={"Retry-After": str(DEAD_RETRY_AFTER_S)})
@@ -100,11 +109,23 @@ def sse(obj: Any) -> str:
     return f"data: {obj.model_dump_json() if hasattr(obj, 'model_dump_json') else json.dumps(obj)}\n\n"
 
 
+@dataclasses.dataclass(frozen=True)
+class ChatSettings:
+    """The server's chat options (`kvserve serve` flags, launch.py): the tool-call parser of
+    tool_choice "auto", the reasoning parser, and a chat template over the model's."""
+
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    chat_template: str | None = None  # the template's text (--chat-template)
+
+
 class Serving:
     """Engine access for the endpoints (serving_completion.py, serving_chat.py)."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str, metrics: ServerMetrics,
-                 max_waiting: int, max_n: int = DEFAULT_MAX_N, pool: TokenizerPool | None = None) -> None:
+                 max_waiting: int, max_n: int = DEFAULT_MAX_N, pool: TokenizerPool | None = None,
+                 chat: ChatSettings | None = None) -> None:
+        self.chat = chat if chat is not None else ChatSettings()
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -134,7 +155,8 @@ class Serving:
 
     def sampling_params(self, req: P.CompletionRequest | P.ChatCompletionRequest, max_tokens: int | None,
                         logprobs: int | None, prompt_logprobs: int | None = None,
-                        longest_prompt: int = 0) -> SamplingParams:
+                        longest_prompt: int = 0,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """The request's SamplingParams. A field it omits (or sends as null) takes the model's
         default (--generation-config, ModelInfo.generation_defaults) when there is one; a max_tokens
         taken so is cut to the room the longest prompt leaves, as vLLM does."""
@@ -153,7 +175,7 @@ class Serving:
                                f"got {k}", param=name)
         try:
             return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs,
-                                  prompt_logprobs=prompt_logprobs, extra_args=extra)
+                                  prompt_logprobs=prompt_logprobs, extra_args=extra, structured_outputs=structured)
         except ValueError as e:
             name = str(e).split(" ", 1)[0]
             known = name in P.CompletionRequest.model_fields or name in P.ChatCompletionRequest.model_fields
@@ -198,7 +220,8 @@ class Serving:
         unless `options`, chat_prompt_ids' keywords, say otherwise). Blocks: the routes call
         render_chat, which runs it on the tokenizer's thread."""
         try:
-            return chat_prompt_ids(self.tokenizer, [m.model_dump() for m in messages], self.chat_limits, **options)
+            return chat_prompt_ids(self.tokenizer, [m.model_dump() for m in messages], self.chat_limits,
+                                   chat_template=self.chat.chat_template, **options)
         except PromptError as e:
             raise APIError(400, e.message, param=e.param) from None
 
@@ -277,13 +300,16 @@ class Serving:
     # ---- engine streams -------------------------------------------------------
 
     async def start(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                    cache_salt: str | None, stream: bool = False, priority: int = 0) -> Deltas:
+                    cache_salt: str | None, stream: bool = False, priority: int = 0,
+                    constraint_field: str | None = None) -> Deltas:
         """Admit the request (503 when its sequences do not fit under --max-waiting) and return its
         merged engine stream. With `stream`, only once the engine has taken every engine request:
         one it refuses raises here, before the status line, as its HTTP error.
 
         Admission happens here, in the handler, before any response starts: the count
-        goes up in the same step as the check, so a burst cannot slip past the limit.
+        goes up in the same step as the check, so a burst cannot slip past the limit. The engine's
+        refusal of a request's constraint (its message names structured_outputs: a schema or regex
+        the grammar backend cannot compile) names `constraint_field`, the field it came from.
         """
         if not self.engine.is_alive():
             raise engine_dead("the engine process is gone")
@@ -291,7 +317,7 @@ class Serving:
         try:
             await anext(gen)  # admission (and acceptance); raises APIError if refused
         except Exception as e:  # noqa: BLE001 - the engine's refusal, as an HTTP status
-            raise engine_error(e) from None
+            raise constraint_error(engine_error(e), constraint_field) from None
         return gen
 
     async def _merged(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -362,13 +388,14 @@ class Serving:
                             usage_chunk: Callable[[P.Usage], Any] | None,
                             continuous_usage: bool = False) -> AsyncIterator[str]:
         """SSE lines; an engine failure after the status line is reported in-band as an error event.
-        With `continuous_usage` every chunk carries the request's usage so far (all its choices)."""
+        `chunk_for` gives a delta's chunk, a list of chunks, or None. With `continuous_usage` every
+        chunk carries the request's usage so far (all its choices)."""
         try:
             async with contextlib.aclosing(deltas) as it:
                 async for i, d in it:
                     for idx, c in acc.add(i, d):
-                        chunk = chunk_for(idx, c)
-                        if chunk is not None:
+                        out = chunk_for(idx, c)
+                        for chunk in out if isinstance(out, list) else [] if out is None else [out]:
                             if continuous_usage:
                                 chunk.usage = acc.usage()
                             yield sse(chunk)
@@ -379,9 +406,11 @@ class Serving:
         yield "data: [DONE]\n\n"
 
     @staticmethod
-    async def collect(deltas: Deltas, acc: Accum, receive: Receive | None = None) -> None:
+    async def collect(deltas: Deltas, acc: Accum, receive: Receive | None = None,
+                      constraint_field: str | None = None) -> None:
         """Gather the whole answer. If the client leaves first (`receive`: the request's ASGI receive
-        channel), the engine requests are aborted at once and ClientGone is raised."""
+        channel), the engine requests are aborted at once and ClientGone is raised. A constraint the
+        engine could not compile is a 400 naming `constraint_field` (constraint_error)."""
 
         async def gather() -> None:
             async with contextlib.aclosing(deltas) as it:
@@ -400,7 +429,7 @@ class Serving:
         if tasks[0].cancelled():
             raise ClientGone()
         if (e := tasks[0].exception()) is not None:
-            raise engine_error(e) from None
+            raise constraint_error(engine_error(e), constraint_field) from None
 
     # ---- logprob text -----------------------------------------------------------
 

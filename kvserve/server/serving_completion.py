@@ -1,4 +1,5 @@
-"""POST /v1/completions: prompts as text or token ids, n, logprobs, echo, streaming.
+"""POST /v1/completions: prompts as text or token ids, n, logprobs, echo, streaming, and
+structured_outputs / vLLM's guided_* fields (structured_fields.py).
 
 echo puts each prompt's text before its completion (and, with logprobs, the
 prompt tokens' logprobs before the completion's, the first one null, as OpenAI
@@ -17,6 +18,7 @@ from kvserve.engine.wire import CompletionDelta
 from kvserve.server import protocol as P
 from kvserve.server.accum import Accum
 from kvserve.server.serving import APIError, Deltas, Receive, Serving
+from kvserve.server.structured_fields import structured_outputs
 
 
 class CompletionServing(Serving):
@@ -39,11 +41,14 @@ class CompletionServing(Serving):
         truncated = self.truncate(req, prompts)
         texts = [t if len(a) == len(b) else None for t, a, b in zip(texts, prompts, truncated)]
         prompts = truncated
-        params = self.sampling_params(req, max_tokens, req.logprobs, prompt_lps, max(map(len, prompts)))
+        constraint, field = structured_outputs(req)
+        params = self.sampling_params(req, max_tokens, req.logprobs, prompt_lps, max(map(len, prompts)),
+                                      structured=constraint)
         for p in prompts:
             self.check_prompt(p, params, "prompt")
         per_prompt = await self.blend_params(params, prompts, texts, req.blend, "prompt")
-        deltas = await self.start(prompts, per_prompt, req.cache_salt, stream=req.stream, priority=req.priority)
+        deltas = await self.start(prompts, per_prompt, req.cache_salt, stream=req.stream, priority=req.priority,
+                                  constraint_field=field)
         if score_only:
             deltas = _drop_generated(deltas)
         acc, rid = Accum(req.n), P.new_id("cmpl")
@@ -57,7 +62,7 @@ class CompletionServing(Serving):
             return StreamingResponse(self.stream_events(deltas, acc, chunk_for, usage_chunk if final else None,
                                                         continuous),
                                      media_type="text/event-stream")
-        await self.collect(deltas, acc, receive)
+        await self.collect(deltas, acc, receive, field)
         choices = []
         for idx, c in sorted(acc.choices.items()):
             lps = echo.logprobs(idx, c.logprobs, 0, with_prompt=True) if req.logprobs is not None else None

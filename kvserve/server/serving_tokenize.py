@@ -59,7 +59,8 @@ class TokenizeServing(Serving):
                            "template (chat_template_kwargs can pass it variables)", param="chat_template")
         return await self.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
                              continue_final_message=req.continue_final_message,
-                             add_special_tokens=req.add_special_tokens, chat_template_kwargs=req.chat_template_kwargs)
+                             add_special_tokens=req.add_special_tokens, chat_template_kwargs=req.chat_template_kwargs,
+                             tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None)
 
 
 def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:

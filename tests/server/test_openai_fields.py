@@ -90,9 +90,11 @@ def test_ignored_fields_are_accepted_and_logged_once(tiny_server, endpoint):
 
 def test_value_checked_fields(server):
     assert _post(server, CHAT, response_format={"type": "text"}, modalities=["text"])[0] == 200
-    for fields, param in (({"response_format": {"type": "json_object"}}, "response_format"),
+    assert _post(server, CHAT, response_format={"type": "json_object"})[0] == 200  # constrained (issue 34)
+    for fields, param in (({"response_format": {"type": "yaml"}}, "response_format.type"),
                           ({"modalities": ["text", "audio"]}, "modalities"),
-                          ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format")):
+                          ({"response_format": {"type": "json_schema", "json_schema": {}}},
+                           "response_format.json_schema.name")):
         status, body = _post(server, CHAT, **fields)
         assert status == 400 and body["error"]["param"] == param, body
     assert _post(server, COMPLETION, best_of=2, n=2)[0] == 200
