@@ -43,6 +43,9 @@ class SchedulerOutput:
     # The KV connector's plan for this step (kv_connector.py), opaque to everyone but its
     # worker half, which carries it out around the forward. None without a connector.
     kv_connector_meta: Any = None
+    # Structured outputs (kvserve/structured/manager.py GrammarBitmask): the allowed tokens of the
+    # constrained requests that sample this step; the sampler masks the rest. None: no constraint.
+    grammar: Any = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

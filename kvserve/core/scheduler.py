@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
+from collections.abc import Callable
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_connector import DEVICE_TIER, KVConnector, TierHit
@@ -24,13 +25,16 @@ from kvserve.request import Request, RequestStatus
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
-                 connector: KVConnector | None = None) -> None:
+                 connector: KVConnector | None = None, is_ready: Callable[[str], bool] | None = None) -> None:
+        """is_ready(request_id): False keeps a waiting request waiting without holding up the
+        others (a request whose grammar still compiles, kvserve/structured/)."""
         if not config.resolved:
             raise ValueError("the scheduler needs max_num_batched_tokens and max_model_len set "
                              "(EngineCore fills them in from the model)")
         self.config = config
         self.kv = kv_manager
         self.connector = connector
+        self.is_ready = is_ready
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # kept sorted by _order_key
         self.running: list[Request] = []
@@ -182,6 +186,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.pop(0)
             if (req.status == RequestStatus.WAITING_FOR_REMOTE_KV
+                    or (self.is_ready is not None and not self.is_ready(req.request_id))
                     or (req.leader_id is not None and not self._fork_from_leader(req, out))):
                 skipped.append(req)
                 continue

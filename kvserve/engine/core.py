@@ -32,6 +32,7 @@ from kvserve.outputs import RequestOutput
 from kvserve.pooling_params import pooling_params, with_default_pooling
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured import StructuredOutputManager
 from kvserve.worker.kv_blocks import whole_block_shape
 from kvserve.worker.model_runner import ModelRunnerOutput, kv_bytes_per_block, kv_dtype_of
 
@@ -105,7 +106,9 @@ class EngineCore:
             self.kv.attach_connector(self.connector)
             atexit.register(self.close)  # queued tier writes and the disk tier's save happen at exit too
         self.kv_events = self._kv_events(config.kv_events) if config.kv_events.enabled else None
-        self.scheduler = Scheduler(self.scheduler_config, self.kv, self.connector)
+        # Structured outputs' matchers, built with the first constrained request (kvserve/structured/).
+        self._structured: StructuredOutputManager | None = None
+        self.scheduler = Scheduler(self.scheduler_config, self.kv, self.connector, self._grammar_ready)
         self.errors: dict[str, str] = {}  # requests that failed in the engine (not on input): id -> why
         self.processor = OutputProcessor(self.tokenizer)
         self.check_integrity = config.check_integrity
@@ -225,6 +228,8 @@ class EngineCore:
             children.append(child)
         self.processor.add(request_id, prompt, list(prompt_token_ids), params, children)
         for child in children:
+            if params.structured_outputs is not None:  # a matcher per sequence, once its grammar compiled
+                self.structured.add(child.request_id, params.structured_outputs)
             self.scheduler.add_request(child)
         return request_id
 
@@ -257,6 +262,8 @@ class EngineCore:
             if k is not None and k > self.max_logprobs:
                 raise ValueError(f"{name} must be at most {self.max_logprobs} (the engine's max_logprobs), got {k}")
         n_prompt = len(ids)
+        if params.structured_outputs is not None:
+            self.structured.check(params.structured_outputs)  # parses; the compile runs off the step
         connectors.check_request_keys(params, self.connector_parts)
         if self.connector is not None:
             self.connector.validate_request(params, n_prompt)
@@ -284,6 +291,8 @@ class EngineCore:
         other = sorted(set(params.extra_args or {}) - {"pooling"})
         if other:
             raise ValueError(f"{other[0]} is not supported for an embedding request")
+        if params.structured_outputs is not None:
+            raise ValueError("structured_outputs is not supported for an embedding request")
         if n_prompt > self.max_model_len:
             raise ValueError(f"prompt is {n_prompt} tokens, more than max_model_len={self.max_model_len}")
         need = -(-n_prompt // self.kv.block_size)
@@ -339,16 +348,62 @@ class EngineCore:
         return self.connector is not None and self.connector.needs_step(so.kv_connector_meta)
 
     def _schedule(self) -> SchedulerOutput:
+        if self._structured is not None:
+            self._fail(self._structured.poll())  # grammars that failed to compile
         so = self.scheduler.schedule()
-        for rid, why in self.scheduler.take_failed().items():  # the connector could not load their KV
-            parent = self.processor.child_to_parent.get(rid, rid)
-            self.abort_request(parent)
-            self.errors[parent] = why
+        self._fail(self.scheduler.take_failed())  # the connector could not load their KV
+        if self._structured is not None:
+            self._grammar_step(so)
         if self.connector is not None:
             if not so.num_scheduled_tokens and (self.scheduler.num_loading or self.scheduler.held
                                                 or self._connector_busy()):
                 self.connector.wait(0.01)  # only requests waiting on their connector: don't spin
         return so
+
+    def _fail(self, failed: dict[str, str]) -> None:
+        """End requests that failed in the engine (child id -> why): their parent is aborted and
+        reports why through take_errors; the rest of the batch goes on."""
+        for rid, why in failed.items():
+            parent = self.processor.child_to_parent.get(rid, rid)
+            if parent in self.processor.parents:
+                self.abort_request(parent)
+                self.errors[parent] = why
+
+    # ---- structured outputs ------------------------------------------------
+
+    @property
+    def structured(self) -> StructuredOutputManager:
+        if self._structured is None:
+            self._structured = StructuredOutputManager(self.config.structured_outputs_backend, self.tokenizer,
+                                                       self.vocab_size, self.eos_token_id)
+        return self._structured
+
+    def _grammar_ready(self, request_id: str) -> bool:
+        """The scheduler's readiness predicate: a constrained request waits until its grammar compiled."""
+        return self._structured is None or self._structured.is_ready(request_id)
+
+    def _grammar_step(self, so: SchedulerOutput) -> None:
+        """Forget finished requests' matchers; put the bitmask of the constrained requests that sample
+        this step (their scheduled tokens reach the end of what they hold) into the step."""
+        st = self._structured
+        for rid in so.finished_req_ids:
+            st.release(rid)
+        reqs = self.scheduler.requests
+        sampling = [rid for rid in so.num_scheduled_tokens
+                    if (r := reqs.get(rid)) is not None and r.num_computed_tokens == r.num_tokens]
+        so.grammar = st.bitmask(sampling)
+        if not so.num_scheduled_tokens and st.pending:
+            st.wait(0.01)  # only requests whose grammar compiles: don't spin
+
+    def _accept_grammar(self, updated: list[Request]) -> dict[str, str]:
+        """Advance each constrained sequence's matcher by its new token; a sequence whose grammar
+        ended finishes as stopped. Returns those whose token the grammar rejected (id -> why)."""
+        if self._structured is None:
+            return {}
+        tokens = {r.request_id: r.output_token_ids[-1] for r in updated if r.output_token_ids}
+        terminated, failed = self._structured.accept(tokens)
+        self.scheduler.finish_requests(terminated, RequestStatus.FINISHED_STOPPED)
+        return failed
 
     def take_errors(self) -> dict[str, str]:
         """Requests that failed since the last call (request id -> why); they produce no more outputs."""
@@ -359,8 +414,10 @@ class EngineCore:
         if self.connector is not None:
             self.connector.update_connector_output(ro.kv_connector_output)
         updated = self.scheduler.update(so, ro.sampled) + self._finish_pooled(ro)
+        rejected = self._accept_grammar(updated)
         outputs, stopped = self.processor.process(updated, ro)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self._fail(rejected)
         if self.connector is not None:
             for out in outputs:
                 if out.finished:
@@ -445,4 +502,6 @@ class EngineCore:
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
+        if self._structured is not None:
+            self._structured.close()
         self.executor.shutdown()

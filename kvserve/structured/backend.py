@@ -89,8 +89,8 @@ class Matcher(abc.ABC):
 
     @abc.abstractmethod
     def is_terminated(self) -> bool:
-        """Nothing may follow: the grammar is complete and its end token was accepted (xgrammar), or
-        only the end token could come next (llguidance stops there)."""
+        """The grammar is complete and its end token (EOS) was accepted: nothing may follow. Before
+        that, a complete grammar's mask allows only the end token."""
 
     @abc.abstractmethod
     def rollback(self, num_tokens: int) -> None:

@@ -20,7 +20,7 @@ def _grammar(key: ConstraintKey) -> str:
                        "item_separator": ", ", "key_separator": ": "}
             if key.whitespace_pattern is not None:
                 options["whitespace_pattern"] = key.whitespace_pattern
-            grammar = llg.LLMatcher.grammar_from_json_schema(key.schema(), defaults=options)
+            grammar = llg.LLMatcher.grammar_from_json_schema(closed_objects(key.schema()), defaults=options)
         elif key.kind == "choice":
             grammar = llg.grammar_from("choice", key.text)
         else:  # regex, or a Lark / GBNF grammar
@@ -35,16 +35,39 @@ def _grammar(key: ConstraintKey) -> str:
     return grammar
 
 
+def closed_objects(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` wherever an object lists its properties and says
+    nothing of others: what xgrammar's strict mode does, so both backends produce the same shapes
+    (a small model otherwise invents fields)."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in ("enum", "const", "default", "examples", "required") else closed_objects(v))
+           for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _first_line(error: str) -> str:
     lines = [ln.strip() for ln in error.strip().splitlines() if ln.strip()]
     return " ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines[0] if lines else error)
 
 
 class GuidanceMatcher(Matcher):
-    def __init__(self, matcher: Any) -> None:
+    """llguidance stops as soon as only the end can follow; the sequence still ends with the end
+    token, sampled under a mask that allows only it (as with xgrammar): terminated once it came."""
+
+    def __init__(self, matcher: Any, eos_token_ids: frozenset[int]) -> None:
         self.m = matcher
+        self.eos = eos_token_ids
+        self.ended = False
 
     def accept(self, token: int) -> bool:
+        if self.m.is_stopped():
+            self.ended = token in self.eos
+            return self.ended
         return bool(self.m.consume_token(token))
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
@@ -53,9 +76,11 @@ class GuidanceMatcher(Matcher):
         fill_next_token_bitmask(self.m, bitmask, row)
 
     def is_terminated(self) -> bool:
-        return bool(self.m.is_stopped())
+        return self.ended
 
     def rollback(self, num_tokens: int) -> None:
+        if self.ended and num_tokens:
+            self.ended, num_tokens = False, num_tokens - 1
         self.m.rollback(num_tokens)
 
 
@@ -93,6 +118,7 @@ class GuidanceBackend(GrammarBackend):
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         super().__init__(vocab_size)
         self.tokenizer = tokenizer  # an llguidance.LLTokenizer
+        self.eos = frozenset(tokenizer.eos_tokens)
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, vocab_size: int, eos_token_id: int) -> GuidanceBackend:
@@ -125,4 +151,4 @@ class GuidanceBackend(GrammarBackend):
     def matcher(self, compiled: Any) -> Matcher:
         import llguidance as llg
 
-        return GuidanceMatcher(llg.LLMatcher(self.tokenizer, compiled, log_level=0))
+        return GuidanceMatcher(llg.LLMatcher(self.tokenizer, compiled, log_level=0), self.eos)

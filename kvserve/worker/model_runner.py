@@ -311,7 +311,7 @@ class ModelRunner:
         if rows and hidden is not None:
             logits = self.model.compute_logits(hidden[self._to_device(torch.tensor(rows))])
             if self.is_output_rank:  # the logits' all-gather needed every tensor-parallel rank
-                self._sample(sample_ids, logits[:len(sample_rows)], out)
+                self._sample(sample_ids, logits[:len(sample_rows)], out, so.grammar)
                 self._prompt_logprobs(plp, logits[len(sample_rows):], out)
         self._advance(order, so.num_scheduled_tokens)
         for rid, tok in out.sampled.items():
@@ -388,7 +388,8 @@ class ModelRunner:
             if st.num_computed_tokens + num_sched[rid] == len(st.token_ids):
                 out.pooled[rid] = st.pooler.result()
 
-    def _sample(self, rids: list[str], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+    def _sample(self, rids: list[str], logits: torch.Tensor, out: ModelRunnerOutput, grammar=None) -> None:
+        """grammar: the step's GrammarBitmask (kvserve/structured/manager.py), or None."""
         if not rids:
             return
         states = [self.requests[r] for r in rids]
@@ -399,7 +400,7 @@ class ModelRunner:
         meta = SamplingMetadata.build(
             [st.params for st in states], [h.token_ids[:h.num_prompt_tokens] if h else [] for h in hist],
             [h.token_ids[h.num_prompt_tokens:] if h else [] for h in hist], gens, banned, self.vocab_size,
-            self.device)
+            self.device, _bitmask_rows(grammar, rids))
         res = self.sampler(logits, meta)
         sampled = res.sampled_token_ids.tolist()
         lp = res.logprobs.tolist() if res.logprobs is not None else None
@@ -428,3 +429,16 @@ class ModelRunner:
             lps, ids, ranks = compute_prompt_logprobs(chunk, torch.tensor(targets, device=self.device), k)
             out.prompt_logprobs[rid] = (first, [(i[:k + 1], v[:k + 1], r) for i, v, r in
                                                 zip(ids.tolist(), lps.tolist(), ranks.tolist())])
+
+
+def _bitmask_rows(grammar, rids: list[str]) -> torch.Tensor | None:
+    """The step's grammar bitmask reordered to the sampled rows; unconstrained rows allow everything."""
+    if grammar is None:
+        return None
+    index = {rid: i for i, rid in enumerate(grammar.req_ids)}
+    rows = [(i, index[rid]) for i, rid in enumerate(rids) if rid in index]
+    if not rows:
+        return None
+    mask = torch.full((len(rids), grammar.bitmask.shape[1]), -1, dtype=torch.int32)
+    mask[[i for i, _ in rows]] = torch.from_numpy(grammar.bitmask[[j for _, j in rows]])
+    return mask

@@ -3,7 +3,8 @@
 Every step works on the whole [B, V] logits tensor at once; the only Python loop
 is over seeded rows, each drawing its noise from its own generator so that a
 seeded request gives the same tokens whatever else shares its batch. Semantics
-follow vLLM v1 (logprobs are of the raw model distribution).
+follow vLLM v1 (logprobs are of the raw model distribution; with a grammar, of the distribution
+its token bitmask leaves, as vLLM applies the bitmask to the logits before sampling).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class SamplingMetadata:
     max_num_logprobs: int | None
     all_greedy: bool
     all_random: bool
+    # Structured outputs: [B, ceil(V / 32)] int32, bit t % 32 of word t // 32 set = token t allowed
+    # (rows of unconstrained requests all ones). None: no row is constrained.
+    token_bitmask: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -51,6 +55,7 @@ class SamplingMetadata:
         banned_token_ids: list[list[int]],
         vocab_size: int,
         device: torch.device,
+        token_bitmask: torch.Tensor | None = None,
     ) -> "SamplingMetadata":
         greedy = [p.greedy for p in params]
         # Greedy rows get neutral filter values: filters only matter when sampling.
@@ -82,6 +87,7 @@ class SamplingMetadata:
             max_num_logprobs=max(wanted) if wanted else None,
             all_greedy=all(greedy),
             all_random=not any(greedy),
+            token_bitmask=None if token_bitmask is None else token_bitmask.to(device),
         )
 
 
@@ -103,6 +109,15 @@ def _row_token_index(token_lists: list[list[int]], device: torch.device) -> tupl
     toks = list(chain.from_iterable(token_lists))
     return (torch.tensor(rows, dtype=torch.int64, device=device),
             torch.tensor(toks, dtype=torch.int64, device=device))
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Tokens a grammar does not allow next -> -inf (a new tensor). A row that allows nothing is
+    left as it is: its sampled token is then rejected by the matcher, which ends that request."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().view(bitmask.size(0), -1)[:, :logits.size(1)]
+    allowed |= ~allowed.any(dim=1, keepdim=True)
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 def apply_banned(logits: torch.Tensor, banned_token_ids: list[list[int]]) -> torch.Tensor:
@@ -280,6 +295,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
+        if meta.token_bitmask is not None:  # before everything, logprobs included
+            logits = apply_token_bitmask(logits, meta.token_bitmask)
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)

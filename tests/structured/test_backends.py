@@ -46,12 +46,19 @@ def test_regex_masks_follow_the_grammar(backend):
     m, mask = walk(backend, ConstraintKey("regex", "ab(c|d)"), [TOK[b"ab"]])
     m.fill_bitmask(mask, 0)
     assert allowed(mask, 0) == {TOK[b"c"], TOK[b"d"]}  # not "abc" (a second "ab"), not EOS yet
-    assert m.accept(TOK[b"d"])
-    if not m.is_terminated():  # llguidance stops as soon as only the end can follow; xgrammar at the end token
-        m.fill_bitmask(mask, 0)
-        assert allowed(mask, 0) == {EOS}  # complete: only the end may follow, never the special token
-        assert m.accept(EOS) and m.is_terminated()
-    assert backend.name == "guidance" or not m.accept(TOK[b"c"])
+    assert m.accept(TOK[b"d"]) and not m.is_terminated()
+    m.fill_bitmask(mask, 0)
+    assert allowed(mask, 0) == {EOS}  # complete: only the end may follow, never the special token
+    assert m.accept(EOS) and m.is_terminated()
+    assert not m.accept(TOK[b"c"])
+
+
+def test_rollback_of_the_end_token(backend):
+    m, mask = walk(backend, ConstraintKey("regex", "ab"), [TOK[b"ab"], EOS])
+    m.rollback(1)
+    assert not m.is_terminated()
+    m.fill_bitmask(mask, 0)
+    assert allowed(mask, 0) == {EOS}
 
 
 def test_a_token_the_grammar_forbids_is_rejected(backend):
@@ -67,13 +74,13 @@ def test_rollback_returns_to_an_earlier_state(backend):
 
 
 def test_choice_and_json(backend):
-    m, _ = walk(backend, constraint_key(StructuredOutputsParams(choice=["true", "false"])), [TOK[b"false"]])
-    assert m.is_terminated() or (m.accept(EOS) and m.is_terminated())
+    m, _ = walk(backend, constraint_key(StructuredOutputsParams(choice=["true", "false"])), [TOK[b"false"], EOS])
+    assert m.is_terminated()
     schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
               "additionalProperties": False}
-    doc = [TOK[b'{"'], TOK[b"a"], TOK[b'":'], TOK[b" "], TOK[b"true"], TOK[b"}"]]
+    doc = [TOK[b'{"'], TOK[b"a"], TOK[b'":'], TOK[b" "], TOK[b"true"], TOK[b"}"], EOS]
     m, _ = walk(backend, constraint_key(StructuredOutputsParams(json=schema)), doc)
-    assert m.is_terminated() or (m.accept(EOS) and m.is_terminated())
+    assert m.is_terminated()
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -158,3 +165,18 @@ def test_cache_keeps_failures_and_evicts_the_least_recently_used():
     cache.get(ConstraintKey("regex", "bad")).exception(5)  # evicted: compiled again
     assert calls == ["bad", "a", "b", "bad"]
     cache.close()
+
+
+def test_guidance_closes_objects_as_xgrammar_strict_mode_does():
+    from kvserve.structured.guidance_backend import closed_objects
+
+    schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"x": {}}},
+                                               "open": {"type": "object", "properties": {},
+                                                        "additionalProperties": True}},
+              "enum_holder": {"enum": [{"properties": {}}]}}
+    out = closed_objects(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["properties"]["additionalProperties"] is False
+    assert out["properties"]["open"]["additionalProperties"] is True
+    assert out["enum_holder"] == {"enum": [{"properties": {}}]}  # values, not schemas
+    assert "additionalProperties" not in schema  # a copy
