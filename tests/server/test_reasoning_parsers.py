@@ -113,3 +113,28 @@ def test_parallel_tool_calls_false_keeps_the_first():
     msg = ChoiceOutput(plan, ChatSettings(tool_call_parser="hermes")).whole(text)
     assert [c.function.name for c in msg.tool_calls] == ["a"]
     assert isinstance(msg, P.ChatResponseMessage)
+
+
+@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+def test_any_text_streams_as_it_splits(name):
+    """Property: for any text and any way of cutting it, the stream gives what split() gives."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    pieces_of = st.lists(st.sampled_from(["<think>", "</think>", "<th", "ink>", "</th", "x", " ", "\n", "<", ">"]),
+                         max_size=10)
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(pieces_of, st.lists(st.integers(0, 80), max_size=5))
+    def check(pieces, cuts):
+        text = "".join(pieces)
+        reasoning, content = REASONING_PARSERS[name]().split(text, final=True)
+        points = sorted({min(c, len(text)) for c in cuts})
+        parts = [text[a:b] for a, b in zip([0, *points], [*points, len(text)])] + [""]
+        s, got_r, got_c = ReasoningStream(REASONING_PARSERS[name]()), "", ""
+        for i, p in enumerate(parts):
+            r, c = s.feed(p, final=i == len(parts) - 1)
+            got_r, got_c = got_r + r, got_c + c
+        assert (got_r, got_c) == (reasoning or "", content)
+
+    check()

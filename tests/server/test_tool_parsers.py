@@ -148,3 +148,30 @@ def test_required_output(text, content, calls):
     for pieces in _splits(text, seed=1):
         streamed_content, streamed = _stream(RequiredToolParser(), pieces)
         assert (streamed_content, _calls(streamed)) == (content or "", calls), pieces
+
+
+PIECES = ["<tool_call>", "</tool_call>", '{"name": "a", "arguments": {"x": 1}}', '{"name": "b"}', "[TOOL_CALLS]",
+          "[ARGS]", "<|python_tag|>", ";", "[", "]", "a(x=1)", ", ", " ", "\n", "hi", "{", "}", '"', "<", "b",
+          '{"name": "a", "parameters": {}}', "<tool", "_call>", "[TOOL", "_CALLS]", ","]
+
+
+@pytest.mark.parametrize("name", [*TOOL_PARSERS, "required"])
+def test_any_text_streams_as_it_extracts(name):
+    """Property: for any text and any way of cutting it, the stream gives what extract() gives."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    make = RequiredToolParser if name == "required" else TOOL_PARSERS[name]
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.sampled_from(PIECES), max_size=12), st.lists(st.integers(0, 200), max_size=6))
+    def check(pieces, cuts):
+        text = "".join(pieces)
+        content, calls = make().extract(text)
+        points = sorted({min(c, len(text)) for c in cuts})
+        parts = [text[a:b] for a, b in zip([0, *points], [*points, len(text)])] + [""]
+        streamed_content, streamed = _stream(make(), parts)
+        assert _calls(streamed) == _calls(calls)
+        assert streamed_content == (content or "")
+
+    check()

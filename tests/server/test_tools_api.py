@@ -115,6 +115,16 @@ def test_auto_without_a_call_is_the_plain_answer(tools_client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.message.content
 
 
+def test_streamed_logprobs_of_held_text_are_not_lost(tools_client):
+    """Text a parser holds back (it might start a call) keeps its tokens' logprobs for a later chunk."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": PROMPT}], tools=TOOLS, max_tokens=12,
+              temperature=0, logprobs=True, stream=True, extra_body={"ignore_eos": True})
+    chunks = [c for c in tools_client.chat.completions.create(tool_choice="auto", **kw) if c.choices]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert sum(len(c.choices[0].logprobs.content) for c in chunks if c.choices[0].logprobs) == 12
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_reasoning_parser_splits_the_output(tools_client):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=12, temperature=0)
     plain = tools_client.chat.completions.create(extra_body={**NO_THINKING, "ignore_eos": True}, **kw)
@@ -206,8 +216,12 @@ def test_auto_reads_the_models_calls_and_keeps_malformed_ones_as_text(tools_clie
         extra_body={**NO_THINKING, "structured_outputs": {"choice": [call]}}, **kw).choices[0]
     assert out.finish_reason == "tool_calls" and _calls(out.message) == [("get_weather", {"city": "Rome"})]
     chunks = list(tools_client.chat.completions.create(
-        stream=True, extra_body={**NO_THINKING, "structured_outputs": {"choice": [call]}}, **kw))
+        stream=True, extra_body={**NO_THINKING, "structured_outputs": {"choice": [call]}}, logprobs=True,
+        stream_options={"include_usage": True}, **kw))
     assert [(n, json.loads(a)) for _, n, a in _assembled(chunks)[1]] == [("get_weather", {"city": "Rome"})]
+    # every token was held until the call was whole; their logprobs come with it
+    lps = sum(len(c.choices[0].logprobs.content) for c in chunks if c.choices and c.choices[0].logprobs)
+    assert lps == chunks[-1].usage.completion_tokens > 5
     out = tools_client.chat.completions.create(
         extra_body={**NO_THINKING, "structured_outputs": {"choice": [broken]}}, **kw).choices[0]
     assert out.message.tool_calls is None and out.message.content == broken and out.finish_reason == "stop"
