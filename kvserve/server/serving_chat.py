@@ -49,7 +49,9 @@ class ChatServing(Serving):
         deltas = await self.start([toks], per_prompt, req.cache_salt, stream=req.stream, priority=req.priority,
                                   constraint_field=field)
         acc, rid = Accum(req.n), P.new_id("chatcmpl")
-        thinking = thinking_on(req.chat_template_kwargs)
+        # A constrained output matches the grammar from its first token, so it has no reasoning to split
+        # off (the engine does not start a grammar after </think>): the reasoning parser is off for it.
+        thinking = thinking_on(req.chat_template_kwargs) and constraint is None
         if req.stream:
             final, continuous = self.usage_options(req)
             return StreamingResponse(self.stream_events(deltas, acc, self._chunker(req, rid, plan, thinking),

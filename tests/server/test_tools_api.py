@@ -240,3 +240,52 @@ def test_chat_flags_are_checked_before_anything_starts(tmp_path, capsys):
     assert launch.load_chat_template(TEMPLATE) == TEMPLATE  # the template's text itself, as vLLM takes it
     with pytest.raises(SystemExit):
         launch.main(["--tool-call-parser", "nope"])
+
+
+@needs_grammar
+def test_client_parse_with_a_pydantic_tool(tools_client):
+    """The official client's strict pydantic tools: parse() validates the arguments into the model."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class GetWeather(BaseModel):
+        city: Literal["Paris", "Rome"]
+        metric: bool
+
+    out = tools_client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Rome?"}], max_tokens=100, temperature=0,
+        tools=[openai.pydantic_function_tool(GetWeather)], tool_choice="required",
+        extra_body=NO_THINKING).choices[0]
+    assert out.finish_reason == "tool_calls"
+    call = out.message.tool_calls[0]
+    assert call.function.name == "GetWeather" and isinstance(call.function.parsed_arguments, GetWeather)
+
+
+@needs_grammar
+def test_langchain_bind_tools(tools_server):
+    """langchain-openai's tool calling (a client this project did not write) gets the same call."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    chat = langchain_openai.ChatOpenAI(model=MODEL, base_url=tools_server.v1, api_key="unused", temperature=0,
+                                       max_tokens=100, max_retries=0, timeout=120,
+                                       extra_body=NO_THINKING)
+    bound = chat.bind_tools(TOOLS[:1], tool_choice="get_weather")
+    msg = bound.invoke("Weather in Paris?")
+    assert [c["name"] for c in msg.tool_calls] == ["get_weather"]
+    assert msg.tool_calls[0]["args"]["city"] in ("Paris", "Rome") and msg.tool_calls[0]["id"].startswith("call_")
+    streamed = None
+    for chunk in bound.stream("Weather in Paris?"):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(c["name"], c["args"]) for c in msg.tool_calls]
+
+
+@needs_grammar
+def test_constrained_output_is_not_taken_for_reasoning(tools_client):
+    """deepseek_r1 takes an output without </think> for reasoning; a constrained one has none."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=200, temperature=0)
+    out = tools_client.chat.completions.create(tools=TOOLS, tool_choice="required", **kw).choices[0]
+    assert out.finish_reason == "tool_calls" and out.message.tool_calls
+    assert out.message.model_extra.get("reasoning_content") is None
+    out = tools_client.chat.completions.create(extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+                                               **kw).choices[0]
+    assert out.message.content in ("yes", "no") and out.message.model_extra.get("reasoning_content") is None
