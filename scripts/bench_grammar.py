@@ -1,6 +1,7 @@
 """Grammar backends on this machine: schema compile time and per-step mask time (issue 34).
 
     .venv/bin/python scripts/bench_grammar.py [--schemas 20] [--backends xgrammar guidance]
+    .venv/bin/python scripts/bench_grammar.py --engine [--batch 32]   # the bitmask's cost inside the engine
 
 Compile: 20 distinct ~10-field JSON schemas, each compiled cold (no cache), p50 / p99, for the
 default model's vocabulary (SmolLM2, 49,152 tokens) and a synthetic 128k one (the 49k tokens plus
@@ -142,6 +143,33 @@ def bench(name: str, vocab: Vocab, n_schemas: int, batches: list[int]) -> dict:
             **{f"mask_b{b}_p99_ms": pct(steps[b], 0.99) * 1e3 for b in batches}}
 
 
+def engine_cost(backend: str, batch: int) -> None:
+    """`batch` requests with a ~10-field schema decoding together on the default model: the time the
+    engine spends filling the step's bitmask (on its thread, before the forward) against the step."""
+    from kvserve import LLM, SamplingParams
+    from kvserve.sampling_params import StructuredOutputsParams
+
+    llm = LLM(dtype="float32", kv_cache_memory="256MiB", max_num_seqs=batch, structured_outputs_backend=backend)
+    tok = llm.get_tokenizer()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"Describe user {i} as JSON."}],
+                                       add_generation_prompt=True, tokenize=False) for i in range(batch)]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=96,
+                             structured_outputs=StructuredOutputsParams(json=schema_and_doc(i % 4)[0]))
+              for i in range(batch)]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # compiles 2 of the 4 schemas, warms up
+    st = llm.engine.structured
+    st.mask_seconds, st.mask_steps, st.mask_rows = 0.0, 0, 0
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    valid = sum(o.outputs[0].finish_reason == "stop" for o in outs)
+    print(f"| {backend} | {batch} | {st.mask_steps} | {st.mask_rows / max(st.mask_steps, 1):.1f} | "
+          f"{st.mask_seconds / max(st.mask_steps, 1) * 1e3:.3f} | {wall / max(st.mask_steps, 1) * 1e3:.1f} | "
+          f"{st.mask_seconds / wall:.2%} | {tokens / wall:.1f} | {valid}/{batch} |", flush=True)
+    llm.engine.close()
+
+
 def cpu() -> str:
     out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
@@ -155,7 +183,17 @@ def main() -> None:
     ap.add_argument("--schemas", type=int, default=20)
     ap.add_argument("--backends", nargs="+", default=["xgrammar", "guidance"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 32])
+    ap.add_argument("--engine", action="store_true", help="measure the bitmask's cost per engine step instead")
+    ap.add_argument("--batch", type=int, default=32)
     args = ap.parse_args()
+    if args.engine:
+        print(f"# CPU: {cpu()}")
+        print("| backend | requests | steps with a mask | rows per step | mask ms / step | step ms | "
+              "share of wall | output tok/s | ended by the grammar |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for name in args.backends:
+            engine_cost(name, args.batch)
+        return
     v49, _ = vocab_49k()
     vocabs = {"49k": v49, "128k": vocab_128k(v49)}
     print(f"# CPU: {cpu()}")
