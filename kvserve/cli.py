@@ -4,6 +4,7 @@ mirror `vllm serve`."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import NoReturn
@@ -48,8 +49,11 @@ def sampling_from_args(args: argparse.Namespace, model_defaults: dict | None = N
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    constraint = structured_from_args(args)  # a bad file, schema or regex fails before the model loads
+    check_structured(constraint, args.structured_outputs_backend)
     llm = engine_from_args(args)
-    params = sampling_from_args(args, llm.engine.generation_defaults)
+    params = dataclasses.replace(sampling_from_args(args, llm.engine.generation_defaults),
+                                 structured_outputs=constraint)
     prompt = args.prompt
     if args.chat:
         prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
@@ -61,6 +65,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     print(out.outputs[0].text)
     return 0
+
+
+def structured_from_args(args: argparse.Namespace):
+    """--json-schema FILE / --regex RE as a StructuredOutputsParams (None without either)."""
+    from kvserve.sampling_params import StructuredOutputsParams
+
+    if args.json_schema is not None and args.regex is not None:
+        raise SystemExit("kvserve generate: give --json-schema or --regex, not both")
+    if args.regex is not None:
+        return StructuredOutputsParams(regex=args.regex)
+    if args.json_schema is None:
+        return None
+    try:
+        with open(args.json_schema, encoding="utf-8") as f:
+            schema = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"kvserve generate: --json-schema {args.json_schema}: {e}") from None
+    return StructuredOutputsParams(json=schema)
+
+
+def check_structured(constraint, backend: str) -> None:
+    """Refuse an invalid schema or regex (ValueError naming the field) before the model loads."""
+    from kvserve.structured.backend import constraint_key
+    from kvserve.structured.registry import backend_class
+
+    if constraint is not None:
+        backend_class(backend).check(constraint_key(constraint))
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -168,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    g.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON valid under this JSON schema")
+    g.add_argument("--regex", metavar="RE", help="constrain the output to text that fully matches this regex")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive multi-turn chat")
