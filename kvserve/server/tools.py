@@ -8,9 +8,13 @@ tool_choice (default "auto" when tools are sent, as in the OpenAI API):
   needed.
 - "required": the output is constrained (StructuredOutputsParams(json=...)) to a JSON array of at
   least one {"name": <one of the tools>, "parameters": <that tool's parameters>} (anyOf, as vLLM
-  builds it; at most one with parallel_tool_calls false), which becomes tool_calls.
+  builds it; at most one with parallel_tool_calls false), which becomes tool_calls
+  (required_calls.py).
 - a named function: the output is constrained to that function's parameters schema and is its
   arguments.
+A stream sends a call's index, id and name first, then its arguments: as they are generated under
+"required" and a named function (the grammar vouches for them), and in one piece under "auto" once
+the parser has the whole call (tool_parsers/base.py says why).
 A response with calls has finish_reason "tool_calls" (unless it ran out of max_tokens: "length")
 and content null when there is no other text. parallel_tool_calls false keeps the first call.
 """
@@ -23,10 +27,10 @@ from typing import Any
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.server import protocol as P
 from kvserve.server.reasoning_parsers import REASONING_PARSERS, ReasoningStream
+from kvserve.server.required_calls import RequiredCalls
 from kvserve.server.serving import APIError, ChatSettings
 from kvserve.server.structured_fields import check_schema, make_params
-from kvserve.server.tool_parsers import TOOL_PARSERS, Extracted, ToolCall, ToolCallStream, ToolParser
-from kvserve.server.tool_parsers.base import decode_at, make_call, skip_ws
+from kvserve.server.tool_parsers import TOOL_PARSERS, ToolCall, ToolCallStream
 
 
 @dataclass
@@ -86,42 +90,6 @@ def plan_tools(req: P.ChatCompletionRequest, settings: ChatSettings) -> ToolPlan
     return plan
 
 
-class RequiredToolParser(ToolParser):
-    """The output of tool_choice "required": [{"name": ..., "parameters": {...}}, ...]. Each call is
-    whole once its array item closes; what follows the last whole call, if it is not the array's
-    end (an output cut off by max_tokens), is content."""
-
-    name = "required"
-
-    def parse(self, text: str, final: bool) -> Extracted:
-        pos = skip_ws(text, 0)
-        if pos == len(text):
-            return Extracted(text if final else "")
-        if text[pos] != "[":
-            return Extracted(text)
-        calls: list[ToolCall] = []
-        pos = skip_ws(text, pos + 1)
-        while True:
-            got = decode_at(text, pos) if text.startswith("{", pos) else None
-            call = make_call(got[0], ("parameters", "arguments")) if got is not None else None
-            if call is None:
-                undecided = got is None and (pos == len(text) or text.startswith("{", pos))
-                if undecided and not final:
-                    return Extracted("", calls)
-                break
-            calls.append(call)
-            pos = skip_ws(text, got[1])
-            if text.startswith(",", pos):
-                pos = skip_ws(text, pos + 1)
-            elif text.startswith("]", pos):
-                return Extracted(text[pos + 1:], calls)
-            elif pos < len(text) or final:
-                break
-            else:
-                return Extracted("", calls)
-        return Extracted(text[pos:] if calls else text, calls)
-
-
 @dataclass
 class Parts:
     """What a choice's text (or a piece of it) becomes."""
@@ -138,20 +106,18 @@ class ChoiceOutput:
     def __init__(self, plan: ToolPlan, settings: ChatSettings, thinking: bool = True) -> None:
         rp = settings.reasoning_parser if thinking else None
         self.reasoning = ReasoningStream(REASONING_PARSERS[rp]()) if rp else None
-        parser: ToolParser | None = None
-        if plan.mode == "auto":
-            parser = TOOL_PARSERS[settings.tool_call_parser or ""]()
-        elif plan.mode == "required":
-            parser = RequiredToolParser()
-        self.tools = ToolCallStream(parser) if parser is not None else None
+        auto = plan.mode == "auto"
+        self.tools = ToolCallStream(TOOL_PARSERS[settings.tool_call_parser or ""]()) if auto else None
+        self.required = RequiredCalls() if plan.mode == "required" else None
         self.named = plan.name if plan.mode == "named" else None
         self.max_calls = None if plan.parallel else 1
         self.calls: list[ToolCall] = []
+        self.sent: list[int] = []  # characters of each call's arguments sent
 
     @property
     def plain(self) -> bool:
         """The text is all content: no reasoning parser, no tool calls to read."""
-        return self.reasoning is None and self.tools is None and self.named is None
+        return self.reasoning is None and self.tools is None and self.required is None and self.named is None
 
     def feed(self, delta: str, final: bool = False) -> Parts:
         out = Parts()
@@ -162,21 +128,36 @@ class ChoiceOutput:
         if self.named is not None:
             if not self.calls:
                 self.calls.append(ToolCall(self.named, ""))
-                out.calls.append(_start(0, self.calls[0]))
             self.calls[0].arguments += content
-            if content:
-                out.calls.append(P.DeltaToolCall(index=0, function=P.DeltaFunctionCall(arguments=content)))
-            return out
-        if self.tools is None:
+            out.calls = self._call_deltas()
+        elif self.required is not None:
+            self.required.feed(content)
+            for c in self.required.calls[len(self.calls):self.max_calls]:
+                self.calls.append(c.call)
+            out.calls = self._call_deltas()
+            # at the end, text that holds no call is content whole (one cut off before its arguments)
+            rest = (self.required.content() if self.calls else self.required.text) if final else ""
+            out.content = rest if rest.strip() or not self.calls else ""
+        elif self.tools is not None:
+            out.content, new = self.tools.feed(content, final)
+            self.calls += new[:None if self.max_calls is None else max(self.max_calls - len(self.calls), 0)]
+            out.calls = self._call_deltas()
+        else:
             out.content = content
-            return out
-        out.content, new = self.tools.feed(content, final)
-        for call in new:
-            if self.max_calls is None or len(self.calls) < self.max_calls:
-                i = len(self.calls)
-                self.calls.append(call)
-                out.calls += [_start(i, call), P.DeltaToolCall(index=i, function=P.DeltaFunctionCall(
-                    arguments=call.arguments))]
+        return out
+
+    def _call_deltas(self) -> list[P.DeltaToolCall]:
+        """Each new call's first part (id, name), then what its arguments gained."""
+        out = []
+        for i, call in enumerate(self.calls):
+            if i == len(self.sent):
+                self.sent.append(0)
+                out.append(P.DeltaToolCall(index=i, id=call.id, type="function",
+                                           function=P.DeltaFunctionCall(name=call.name, arguments="")))
+            if len(call.arguments) > self.sent[i]:
+                out.append(P.DeltaToolCall(index=i, function=P.DeltaFunctionCall(
+                    arguments=call.arguments[self.sent[i]:])))
+                self.sent[i] = len(call.arguments)
         return out
 
     def whole(self, text: str) -> P.ChatResponseMessage:
@@ -192,11 +173,6 @@ class ChoiceOutput:
 
     def finish_reason(self, reason: str | None) -> str | None:
         return "tool_calls" if reason == "stop" and self.calls else reason
-
-
-def _start(index: int, call: ToolCall) -> P.DeltaToolCall:
-    return P.DeltaToolCall(index=index, id=call.id, type="function",
-                           function=P.DeltaFunctionCall(name=call.name, arguments=""))
 
 
 def thinking_on(kwargs: dict[str, Any] | None) -> bool:

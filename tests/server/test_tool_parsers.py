@@ -10,7 +10,6 @@ import random
 import pytest
 
 from kvserve.server.tool_parsers import TOOL_PARSERS, ToolCallStream
-from kvserve.server.tools import RequiredToolParser
 
 W = '{"city": "Paris", "days": 3}'  # arguments as the model writes them
 CASES = {
@@ -132,22 +131,61 @@ def test_registry_names_every_format():
 
 
 REQUIRED = [
-    ('[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]', None, [("a", {"x": 1}), ("b", {})]),
-    (' [ {"name": "a", "parameters": {}} ] ', None, [("a", {})]),
-    # cut off by max_tokens: the whole calls, and the rest as content
-    ('[{"name": "a", "parameters": {}}, {"name": "b", "param', '{"name": "b", "param', [("a", {})]),
-    ('[{"name": "a", "parameters": {"x": "', '[{"name": "a", "parameters": {"x": "', []),
+    ('[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]', None,
+     [("a", '{"x": 1}'), ("b", "{}")]),
+    (' [ {"name": "a", "parameters": {"s": "}]\\"{"} } ] ', None, [("a", '{"s": "}]\\"{"}')]),
+    # cut off by max_tokens: the arguments written so far, as vLLM answers
+    ('[{"name": "a", "parameters": {}}, {"name": "b", "parameters": {"y": [1, ', None,
+     [("a", "{}"), ("b", '{"y": [1, ')]),
+    ('[{"name": "a", "param', '[{"name": "a", "param', []),  # no call yet: the text is content
+    # what the grammar would not have let through: content
     ("not json", "not json", []),
+    ('[{"nme": "a"}]', '[{"nme": "a"}]', []),
+    ('[{"name": "a", "parameters": {}}, 7]', " 7]", [("a", "{}")]),
 ]
+
+
+def _required(pieces: list[str], parallel: bool = True):
+    """The calls (name, arguments) and content a stream of `pieces` assembles, and the whole answer."""
+    from kvserve.server.serving import ChatSettings
+    from kvserve.server.tools import ChoiceOutput, ToolPlan
+
+    plan = ToolPlan(mode="required", tools=[], parallel=parallel)
+    out, content, calls = ChoiceOutput(plan, ChatSettings()), "", {}
+    for i, p in enumerate(pieces):
+        parts = out.feed(p, final=i == len(pieces) - 1)
+        content += parts.content
+        for d in parts.calls:
+            c = calls.setdefault(d.index, ["", ""])
+            c[0] += d.function.name or ""
+            c[1] += d.function.arguments or ""
+    whole = ChoiceOutput(plan, ChatSettings()).whole("".join(pieces))
+    return (content, [tuple(c) for _, c in sorted(calls.items())]), whole
 
 
 @pytest.mark.parametrize("text,content,calls", REQUIRED)
 def test_required_output(text, content, calls):
-    got_content, got_calls = RequiredToolParser().extract(text)
-    assert (got_content, _calls(got_calls)) == (content, calls)
     for pieces in _splits(text, seed=1):
-        streamed_content, streamed = _stream(RequiredToolParser(), pieces)
-        assert (streamed_content, _calls(streamed)) == (content or "", calls), pieces
+        streamed, whole = _required(pieces)
+        assert whole.content == content
+        assert [(c.function.name, c.function.arguments) for c in whole.tool_calls or []] == calls
+        assert streamed == (content or "", calls), pieces
+
+
+def test_required_streams_arguments_as_they_are_written():
+    from kvserve.server.serving import ChatSettings
+    from kvserve.server.tools import ChoiceOutput, ToolPlan
+
+    out = ChoiceOutput(ToolPlan(mode="required", tools=[]), ChatSettings())
+    assert out.feed('[{"name": "get_weather"').calls == []
+    first = out.feed(', "parameters": {"ci').calls
+    assert [(d.index, d.function.name, d.function.arguments) for d in first] == \
+        [(0, "get_weather", ""), (0, None, '{"ci')]
+    assert first[0].id.startswith("call_") and first[1].id is None
+    assert [d.function.arguments for d in out.feed('ty": "Paris"}}').calls] == ['ty": "Paris"}']
+    assert out.feed("]", final=True).calls == []
+    assert _required(['[{"name": "a", "parameters": {}}, {"name": "b", "parameters": {}}]'],
+                     parallel=False)[0] == ("", [("a", "{}")])
 
 
 PIECES = ["<tool_call>", "</tool_call>", '{"name": "a", "arguments": {"x": 1}}', '{"name": "b"}', "[TOOL_CALLS]",
@@ -155,13 +193,13 @@ PIECES = ["<tool_call>", "</tool_call>", '{"name": "a", "arguments": {"x": 1}}',
           '{"name": "a", "parameters": {}}', "<tool", "_call>", "[TOOL", "_CALLS]", ","]
 
 
-@pytest.mark.parametrize("name", [*TOOL_PARSERS, "required"])
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
 def test_any_text_streams_as_it_extracts(name):
     """Property: for any text and any way of cutting it, the stream gives what extract() gives."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    make = RequiredToolParser if name == "required" else TOOL_PARSERS[name]
+    make = TOOL_PARSERS[name]
 
     @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.lists(st.sampled_from(PIECES), max_size=12), st.lists(st.integers(0, 200), max_size=6))
@@ -173,5 +211,28 @@ def test_any_text_streams_as_it_extracts(name):
         streamed_content, streamed = _stream(make(), parts)
         assert _calls(streamed) == _calls(calls)
         assert streamed_content == (content or "")
+
+    check()
+
+
+def test_required_streams_as_it_reads():
+    """Property: for any text and any way of cutting it, tool_choice "required"'s stream assembles
+    what the whole answer has."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    pieces_of = st.lists(st.sampled_from(['[', ']', '{', '}', ',', ' ', '"name": "a"', '"parameters": ', '"x"', ':',
+                                          '{"name": "b", "parameters": {"s": "}"}}', '"\\"', '1', 'z']),
+                         max_size=14)
+
+    @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(pieces_of, st.lists(st.integers(0, 120), max_size=6))
+    def check(pieces, cuts):
+        text = "".join(pieces)
+        points = sorted({min(c, len(text)) for c in cuts})
+        parts = [text[a:b] for a, b in zip([0, *points], [*points, len(text)])] + [""]
+        (content, calls), whole = _required(parts)
+        assert calls == [(c.function.name, c.function.arguments) for c in whole.tool_calls or []]
+        assert content == (whole.content or "")
 
     check()
