@@ -80,12 +80,13 @@ def plan_tools(req: P.ChatCompletionRequest, settings: ChatSettings) -> ToolPlan
             raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools "
                            f"({', '.join(names)})", param="tool_choice")
         plan.mode, plan.name = "named", choice.function.name
-        plan.constraint = make_params({"json": _parameters(tools[names.index(plan.name)], 0)}, "tool_choice")
+        i = names.index(plan.name)
+        plan.constraint = make_params({"json": _parameters(tools[i], i)}, "tool_choice")
     elif plan.mode == "required":
         plan.constraint = make_params({"json": required_schema(tools, parallel)}, "tool_choice")
     elif plan.mode == "auto" and settings.tool_call_parser is None:
-        raise APIError(400, 'tool_choice "auto" needs a server started with --tool-call-parser (hermes, '
-                       'llama3_json, mistral or pythonic); "required" and a named function work without one',
+        raise APIError(400, f'tool_choice "auto" needs a server started with --tool-call-parser '
+                       f'({"|".join(sorted(TOOL_PARSERS))}); "required" and a named function work without one',
                        param="tool_choice")
     return plan
 
