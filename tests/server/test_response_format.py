@@ -271,3 +271,36 @@ def test_http_constraint_the_grammar_refuses_names_the_field(server, path, field
             continue
         assert status == 400, raw
         assert json.loads(raw)["error"]["param"] == param, raw
+
+
+WEIRD = [
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/definitions/nope"}}}}}], "tool_choice": "required"},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "integer", "minimum": "x"}}}],
+     "tool_choice": {"type": "function", "function": {"name": "f"}}},
+    {"guided_grammar": "this is not a grammar"},
+    {"structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "string", "format": "nope"}}}}},
+    {"structured_outputs": {"regex": "a{99999}"}},
+    {"structured_outputs": {"choice": ["", "a"]}},
+    {"structured_outputs": {"json_object": False}},
+    {"structured_outputs": {"choice": ["x"], "whitespace_pattern": "[ ]*"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "nope"}}}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"anyOf": []}}}},
+]
+
+
+@needs_grammar
+@pytest.mark.parametrize("fields", WEIRD)
+def test_odd_constraints_never_get_a_5xx(server, fields):
+    """Whatever the grammar backend makes of them: an answer or a 400, streaming or not."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, **fields}
+    for stream in (False, True):
+        status, raw, _ = http_request("POST", f"{server}/v1/chat/completions", {**body, "stream": stream})
+        assert status in (200, 400), raw
+        if status == 400:
+            assert json.loads(raw)["error"]["param"], raw
+        for line in raw.decode().splitlines():
+            if line.startswith("data: {") and '"error"' in line:
+                assert json.loads(line[6:])["error"]["code"] < 500, line
+    status, raw, _ = http_request("GET", f"{server}/health")
+    assert status == 200
