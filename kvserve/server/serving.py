@@ -122,6 +122,8 @@ class ChatSettings:
 class Serving:
     """Engine access for the endpoints (serving_completion.py, serving_chat.py)."""
 
+    chat: ChatSettings = ChatSettings()  # the server's chat options; none unless given
+
     def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str, metrics: ServerMetrics,
                  max_waiting: int, max_n: int = DEFAULT_MAX_N, pool: TokenizerPool | None = None,
                  chat: ChatSettings | None = None) -> None:
