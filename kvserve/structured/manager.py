@@ -40,6 +40,7 @@ class StructuredOutputManager:
 
     def __init__(self, backend: str, tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
         self.backend_name = resolve(backend)
+        self.backend_cls = backend_class(self.backend_name)  # imports the library once, here
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -62,7 +63,7 @@ class StructuredOutputManager:
                 if self.eos_token_id is None:
                     raise StructuredOutputError("structured_outputs: the model's tokenizer has no end-of-sequence "
                                                 "token, which a grammar needs to end")
-                self._backend = backend_class(self.backend_name).from_tokenizer(
+                self._backend = self.backend_cls.from_tokenizer(
                     self.tokenizer, self.vocab_size, self.eos_token_id)
             return self._backend
 
@@ -76,7 +77,7 @@ class StructuredOutputManager:
         key = constraint_key(params)
         if key in self._checked:
             return
-        backend_class(self.backend_name).check(key)
+        self.backend_cls.check(key)
         self._checked[key] = None
         if len(self._checked) > _CHECKED_CAPACITY:
             del self._checked[next(iter(self._checked))]

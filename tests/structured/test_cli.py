@@ -15,14 +15,15 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
                                            "big": {"type": "boolean"}}, "required": ["city", "big"]}
 
 
+@pytest.mark.slow
 def test_generate_with_a_json_schema_and_a_regex(tmp_path, capsys):
     path = tmp_path / "schema.json"
     path.write_text(json.dumps(SCHEMA))
     assert main(["generate", "--prompt", "The capital of France as JSON", "--chat", "--json-schema", str(path),
-                 "--max-tokens", "40", "--kv-cache-memory", "64MiB"]) == 0
+                 "--max-tokens", "40", "--kv-cache-memory", "64MiB", "--dtype", "float32", "--max-num-batched-tokens", "256"]) == 0
     jsonschema.validate(json.loads(capsys.readouterr().out), SCHEMA)
     assert main(["generate", "--prompt", "Call me at", "--regex", r"\d{3}-\d{4}", "--max-tokens", "20",
-                 "--kv-cache-memory", "64MiB"]) == 0
+                 "--kv-cache-memory", "64MiB", "--dtype", "float32", "--max-num-batched-tokens", "256"]) == 0
     assert re.fullmatch(r"\d{3}-\d{4}", capsys.readouterr().out.strip())
 
 

@@ -35,13 +35,6 @@ SCHEMAS = {
 }
 
 
-@pytest.fixture(scope="module")
-def llm():
-    llm = LLM(dtype="float32", kv_cache_memory="64MiB", check_integrity=True)
-    yield llm
-    llm.engine.close()
-
-
 def chat(llm: LLM, text: str) -> str:
     return llm.get_tokenizer().apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                    tokenize=False)

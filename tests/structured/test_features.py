@@ -11,10 +11,10 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.sampling_params import StructuredOutputsParams as SO
 from tests.disagg.test_pd_engine import idle, with_key
-from tests.structured.test_engine import SCHEMAS, chat, constrained, llm  # noqa: F401 (the module's LLM)
+from tests.structured.test_engine import SCHEMAS, chat, constrained
 
 
-def test_a_cached_prefix_gives_the_same_constrained_output(llm):  # noqa: F811
+def test_a_cached_prefix_gives_the_same_constrained_output(llm):
     prompt = chat(llm, "Describe a person as JSON, with a name and the city they live in. " * 4)
     params = constrained(SO(json=SCHEMAS["nested"]))
     first = llm.generate([prompt], params, use_tqdm=False)[0]
@@ -24,14 +24,14 @@ def test_a_cached_prefix_gives_the_same_constrained_output(llm):  # noqa: F811
     jsonschema.validate(json.loads(second.outputs[0].text), SCHEMAS["nested"])
 
 
-def test_a_stop_string_ends_a_constrained_request(llm):  # noqa: F811
+def test_a_stop_string_ends_a_constrained_request(llm):
     out = llm.generate([chat(llm, "Code?")], constrained(SO(regex="ab-cd-ef"), stop=["-ef"]),
                        use_tqdm=False)[0].outputs[0]
     assert (out.text, out.finish_reason, out.stop_reason) == ("ab-cd", "stop", "-ef")
 
 
 @pytest.mark.slow
-def test_prefill_decode_disaggregation_decodes_under_the_grammar(llm):  # noqa: F811
+def test_prefill_decode_disaggregation_decodes_under_the_grammar(llm):
     """The router's prefill call samples one token (constrained too) and keeps the K/V; the decode
     engine fetches them and generates the whole constrained output: what one engine generates."""
     tok = llm.get_tokenizer()
