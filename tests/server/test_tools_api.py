@@ -292,3 +292,20 @@ def test_constrained_output_is_not_taken_for_reasoning(tools_client):
     out = tools_client.chat.completions.create(extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
                                                **kw).choices[0]
     assert out.message.content in ("yes", "no") and out.message.model_extra.get("reasoning_content") is None
+
+
+@needs_grammar
+def test_each_choice_has_its_own_calls(tools_client):
+    """n > 1: every choice is read on its own, streamed or not."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": PROMPT}], tools=TOOLS, n=2, seed=7,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=100, temperature=1)
+    out = tools_client.chat.completions.create(**kw)
+    assert [c.index for c in out.choices] == [0, 1]
+    for c in out.choices:
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls[0].function.name == "get_weather"
+        assert json.loads(c.message.tool_calls[0].function.arguments)["city"] in ("Paris", "Rome")
+    chunks = list(tools_client.chat.completions.create(stream=True, **kw))
+    for i, choice in enumerate(out.choices):
+        mine = [c for c in chunks if c.choices and c.choices[0].index == i]
+        _, calls = _assembled(mine)
+        assert [(n, a) for _, n, a in calls] == [("get_weather", choice.message.tool_calls[0].function.arguments)]
