@@ -189,7 +189,8 @@ FLAGS: tuple[Flag, ...] = (
          cli=False),
     Flag("structured_outputs_backend", "structured_outputs_backend",
          "grammar library for structured outputs (JSON schema, regex, choice, grammar): xgrammar or guidance "
-         "(llguidance); auto: xgrammar, the faster per step on a CPU (BENCHMARKS.md), else guidance",
+         "(llguidance); auto: xgrammar, the faster per step on a CPU (BENCHMARKS.md), and guidance for a "
+         "constraint xgrammar refuses (a whitespace_pattern, a Lark grammar)",
          choices=STRUCTURED_OUTPUTS_BACKENDS),
     # ---- parallelism
     Flag("tensor_parallel_size", "parallel.tensor_parallel_size",

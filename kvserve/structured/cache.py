@@ -5,31 +5,30 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Hashable
 from typing import Any, Callable
-
-from kvserve.structured.backend import ConstraintKey
 
 DEFAULT_CAPACITY = 256
 
 
 class CompileCache:
-    """key -> Future of its compiled grammar; a failure is cached too (the same text fails again).
+    """key (a constraint, with the backend that compiles it) -> Future of its compiled grammar; a failure is cached too (the same text fails again).
     Least recently used entries go first beyond `capacity`.
 
     Threads: `get` is called by the engine thread; compiles run on the pool and touch only the
     compile function and their own future. The lock guards the table."""
 
-    def __init__(self, compile_fn: Callable[[ConstraintKey], Any], max_workers: int = 1,
+    def __init__(self, compile_fn: Callable[[Any], Any], max_workers: int = 1,
                  capacity: int = DEFAULT_CAPACITY) -> None:
         self.compile_fn = compile_fn
         self.capacity = capacity
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvserve-grammar")
         self._lock = threading.Lock()
-        self._entries: OrderedDict[ConstraintKey, Future] = OrderedDict()
+        self._entries: OrderedDict[Hashable, Future] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
-    def get(self, key: ConstraintKey) -> Future:
+    def get(self, key: Hashable) -> Future:
         with self._lock:
             fut = self._entries.get(key)
             if fut is not None:

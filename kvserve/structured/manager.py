@@ -20,7 +20,7 @@ import numpy as np
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.structured.backend import ConstraintKey, GrammarBackend, Matcher, StructuredOutputError, constraint_key
 from kvserve.structured.cache import CompileCache
-from kvserve.structured.registry import backend_class, resolve
+from kvserve.structured.registry import backend_class, candidates
 
 _CHECKED_CAPACITY = 1024
 
@@ -35,20 +35,22 @@ class GrammarBitmask:
 
 
 class StructuredOutputManager:
-    """Threads: the engine thread calls every method; the backend is built and grammars compile on
-    the cache's pool (`_build` takes the lock so both sides see one backend)."""
+    """`backend` is a name or `auto`; under `auto` each constraint goes to the first backend that
+    takes it (registry.candidates). Threads: the engine thread calls every method; backends are
+    built and grammars compile on the cache's pool (`backend` takes the lock, so both sides see one
+    instance of each)."""
 
     def __init__(self, backend: str, tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
-        self.backend_name = resolve(backend)
-        self.backend_cls = backend_class(self.backend_name)  # imports the library once, here
+        self.names = candidates(backend)
+        self.classes = {n: backend_class(n) for n in self.names}  # imports the libraries once, here
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
-        self._backend: GrammarBackend | None = None
+        self._backends: dict[str, GrammarBackend] = {}
         self._lock = threading.Lock()
-        self.cache = CompileCache(self._compile)
-        self._checked: dict[ConstraintKey, None] = {}
-        self.pending: dict[str, Future] = {}  # request id -> its compile
+        self.cache = CompileCache(self._compile)  # keyed by (backend name, constraint)
+        self._checked: dict[ConstraintKey, str] = {}  # constraint -> the backend that takes it
+        self.pending: dict[str, tuple[str, Future]] = {}  # request id -> (backend, its compile)
         self.matchers: dict[str, Matcher] = {}
         # The cost on the engine's step: seconds filling bitmasks, steps that had one, rows filled.
         self.mask_seconds = 0.0
@@ -57,42 +59,55 @@ class StructuredOutputManager:
 
     # ---- on the pool --------------------------------------------------------
 
-    def backend(self) -> GrammarBackend:
+    def backend(self, name: str | None = None) -> GrammarBackend:
+        """The backend `name` (default: the first candidate) for this vocabulary, built on first use."""
+        name = name or self.names[0]
         with self._lock:
-            if self._backend is None:
+            if name not in self._backends:
                 if self.eos_token_id is None:
                     raise StructuredOutputError("structured_outputs: the model's tokenizer has no end-of-sequence "
                                                 "token, which a grammar needs to end")
-                self._backend = self.backend_cls.from_tokenizer(
+                self._backends[name] = self.classes[name].from_tokenizer(
                     self.tokenizer, self.vocab_size, self.eos_token_id)
-            return self._backend
+            return self._backends[name]
 
-    def _compile(self, key: ConstraintKey) -> Any:
-        return self.backend().compile(key)
+    def _compile(self, job: tuple[str, ConstraintKey]) -> Any:
+        return self.backend(job[0]).compile(job[1])
 
     # ---- requests -----------------------------------------------------------
 
-    def check(self, params: StructuredOutputsParams) -> None:
-        """Raise StructuredOutputError naming the field if the constraint cannot compile (parsed once per text)."""
+    def check(self, params: StructuredOutputsParams) -> str:
+        """The backend that takes the constraint; raises StructuredOutputError naming the field (the
+        first candidate's refusal) if none does. Parses, once per text; compiles nothing."""
         key = constraint_key(params)
         if key in self._checked:
-            return
-        self.backend_cls.check(key)
-        self._checked[key] = None
-        if len(self._checked) > _CHECKED_CAPACITY:
-            del self._checked[next(iter(self._checked))]
+            return self._checked[key]
+        first: StructuredOutputError | None = None
+        for name in self.names:
+            try:
+                self.classes[name].check(key)
+            except StructuredOutputError as e:
+                first = first or e
+                continue
+            self._checked[key] = name
+            if len(self._checked) > _CHECKED_CAPACITY:
+                del self._checked[next(iter(self._checked))]
+            return name
+        raise first
 
     def add(self, request_id: str, params: StructuredOutputsParams) -> None:
-        self.pending[request_id] = self.cache.get(constraint_key(params))
+        """Start (or share) the compile of a checked request's constraint."""
+        name = self.check(params)
+        self.pending[request_id] = (name, self.cache.get((name, constraint_key(params))))
 
     def poll(self) -> dict[str, str]:
         """Give a matcher to each request whose grammar compiled; returns those whose compile failed (id -> why)."""
         failed: dict[str, str] = {}
-        for rid in [r for r, fut in self.pending.items() if fut.done()]:
-            fut = self.pending.pop(rid)
+        for rid in [r for r, (_, fut) in self.pending.items() if fut.done()]:
+            name, fut = self.pending.pop(rid)
             err = fut.exception()
             if err is None:
-                self.matchers[rid] = self.backend().matcher(fut.result())
+                self.matchers[rid] = self.backend(name).matcher(fut.result())
             elif isinstance(err, StructuredOutputError):
                 failed[rid] = str(err)
             else:
@@ -106,7 +121,7 @@ class StructuredOutputManager:
     def wait(self, timeout: float) -> None:
         """Block until a compile finishes (or timeout): for an engine with nothing else to run."""
         if self.pending:
-            wait_futures(set(self.pending.values()), timeout=timeout, return_when=FIRST_COMPLETED)
+            wait_futures({fut for _, fut in self.pending.values()}, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def release(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
@@ -120,7 +135,7 @@ class StructuredOutputManager:
         if not rids:
             return None
         start = time.perf_counter()
-        mask = self.backend().allocate_bitmask(len(rids))
+        mask = np.zeros((len(rids), (self.vocab_size + 31) // 32), dtype=np.int32)  # every backend's layout
         for row, rid in enumerate(rids):
             self.matchers[rid].fill_bitmask(mask, row)
         self.mask_seconds += time.perf_counter() - start

@@ -31,6 +31,16 @@ def resolve(name: str) -> str:
     return name
 
 
+def candidates(name: str) -> list[str]:
+    """The backends a constraint may go to, in order: `auto` is every installed one of AUTO_ORDER
+    (a constraint the first refuses, such as a JSON-schema keyword xgrammar would ignore, goes to
+    the next, as vLLM's auto does); a named backend is itself alone."""
+    if name != "auto":
+        return [resolve(name)]
+    found = [n for n in AUTO_ORDER if importlib.util.find_spec(BACKENDS[n][2]) is not None]
+    return found or [resolve("auto")]  # none installed: resolve raises, naming what to install
+
+
 def backend_class(name: str) -> type[GrammarBackend]:
     module, cls, library = BACKENDS[resolve(name)]
     if importlib.util.find_spec(library) is None:

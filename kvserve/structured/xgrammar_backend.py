@@ -11,12 +11,13 @@ import numpy as np
 from kvserve.structured.backend import (ConstraintKey, GrammarBackend, Matcher, StructuredOutputError, Vocab,
                                         choice_regex)
 
-# JSON-schema keywords xgrammar would ignore rather than enforce (as vLLM's check lists them): a
-# schema using one is refused, naming it, instead of producing output that does not validate.
+# JSON-schema keywords xgrammar (0.2.9) accepts and ignores: a schema using one is refused, naming
+# it, rather than producing output that does not validate. Checked one by one against schemas whose
+# invalid instance xgrammar let through (uniqueItems, not, contains, dependentRequired); the rest
+# are the same families (conditionals, dependencies, contains counts), unverified, refused to be safe.
 UNSUPPORTED_KEYWORDS = frozenset({
-    "multipleOf", "uniqueItems", "contains", "minContains", "maxContains", "propertyNames",
-    "dependentSchemas", "dependentRequired", "dependencies", "if", "then", "else", "not",
-    "unevaluatedItems", "unevaluatedProperties", "contentEncoding", "contentMediaType"})
+    "uniqueItems", "not", "contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas",
+    "dependencies", "if", "then", "else", "unevaluatedItems"})
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_VALUES = ("items", "additionalProperties")
@@ -54,13 +55,12 @@ def _grammar(key: ConstraintKey) -> Any:
 
     if key.whitespace_pattern is not None:
         raise StructuredOutputError("structured_outputs.whitespace_pattern: not supported by the xgrammar "
-                                    "backend (use --structured-outputs-backend guidance)")
+                                    "backend (the guidance backend supports it)")
     if key.kind == "json":
         found = unsupported_keyword(key.schema())
         if found is not None:
             raise StructuredOutputError(f"structured_outputs.json: the JSON-schema keyword {found.rsplit('/', 1)[1]!r} "
-                                        f"(at {found}) is not supported by the xgrammar backend (use "
-                                        "--structured-outputs-backend guidance)")
+                                        f"(at {found}) is not supported by the xgrammar backend")
     try:
         if key.kind in ("json", "json_object"):
             return xgr.Grammar.from_json_schema(key.text if key.kind == "json" else '{"type": "object"}',

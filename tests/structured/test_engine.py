@@ -219,3 +219,19 @@ def test_pipeline_parallel_matches_one_rank(llm):
     assert [o.outputs[0].text for o in two] == [o.outputs[0].text for o in one]
     for name, out in zip(names, two):
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[name])
+
+
+def test_auto_sends_what_xgrammar_refuses_to_guidance(llm):
+    """A whitespace_pattern (xgrammar has none) and a Lark grammar (xgrammar reads EBNF only) go to
+    llguidance under `auto`; a constraint both refuse gets the first refusal."""
+    st = llm.engine.structured
+    ws = SO(json={"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                  "required": ["n"]}, whitespace_pattern=r"[ ]?")
+    lark = SO(grammar='start: "yes" | "no"')
+    assert (st.check(ws), st.check(lark), st.check(SO(regex="a+"))) == ("guidance", "guidance", "xgrammar")
+    outs = llm.generate([chat(llm, "Give n as JSON."), chat(llm, "Yes or no?")], [constrained(ws), constrained(lark)],
+                        use_tqdm=False)
+    assert re.fullmatch(r'\{ ?"n" ?: ?[0-9] ?\}', outs[0].outputs[0].text)
+    assert outs[1].outputs[0].text in ("yes", "no")
+    with pytest.raises(ValueError, match=r"^structured_outputs\.json: .*uniqueItems"):
+        st.check(SO(json={"type": "array", "uniqueItems": True}))
