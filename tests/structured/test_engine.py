@@ -235,3 +235,26 @@ def test_auto_sends_what_xgrammar_refuses_to_guidance(llm):
     assert outs[1].outputs[0].text in ("yes", "no")
     with pytest.raises(ValueError, match=r"^structured_outputs\.json: .*uniqueItems"):
         st.check(SO(json={"type": "array", "uniqueItems": True}))
+
+
+def test_a_slow_compile_never_holds_up_other_requests(llm, monkeypatch):
+    """The compile runs on the pool: while it is held, the engine serves other requests to the end,
+    and the constrained one waits unscheduled; released, it runs."""
+    import threading
+
+    eng = llm.engine
+    backend = eng.structured.backend()
+    real, gate = backend.compile, threading.Event()
+    monkeypatch.setattr(backend, "compile", lambda key: gate.wait(30) and real(key))
+    ids = llm.get_tokenizer()(chat(llm, "Hello"))["input_ids"]
+    slow = eng.add_request(None, ids, constrained(SO(regex="(held-back)")))
+    other = eng.add_request(None, ids, SamplingParams(temperature=0, max_tokens=8))
+    done = set()
+    while other not in done:
+        done |= {o.request_id for o in eng.step() if o.finished}
+        assert eng.scheduler.requests[slow].num_computed_tokens == 0  # never scheduled
+    gate.set()
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert outs[slow].outputs[0].text == "held-back"
