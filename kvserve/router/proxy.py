@@ -173,8 +173,9 @@ def prompt_token_ids(kind: str, body: dict[str, Any], tokenizer: Any) -> list[li
     malformed (the replica answers it with its own error)."""
     try:
         if kind == "chat":
-            msgs = body.get("messages")
-            return [prompts.chat_prompt_ids(tokenizer, msgs)] if isinstance(msgs, list) else None
+            msgs, tools = body.get("messages"), body.get("tools")
+            tools = tools if isinstance(tools, list) and tools else None  # rendered into the prompt, as the replica does
+            return [prompts.chat_prompt_ids(tokenizer, msgs, tools=tools)] if isinstance(msgs, list) else None
         return prompts.completion_prompt_ids(tokenizer, body.get("prompt"))[0]
     except ValueError:
         return None

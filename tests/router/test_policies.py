@@ -419,3 +419,19 @@ def test_completion_prompt_ids(tokenizer):
         with pytest.raises(PromptError, match=msg) as e:
             completion_prompt_ids(tokenizer, bad)
         assert e.value.param == "prompt"
+
+
+def test_router_hashes_a_tool_request_as_the_replica_renders_it(tokenizer):
+    """The tools are part of the prompt the replica computes (its chat template or kvserve's
+    default tool format): the router's token ids for routing include them too."""
+    from kvserve.router.proxy import prompt_token_ids
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    with_tools = prompt_token_ids("chat", {"messages": msgs, "tools": tools}, tokenizer)
+    assert with_tools == [chat_prompt_ids(tokenizer, msgs, tools=tools)]
+    assert with_tools != prompt_token_ids("chat", {"messages": msgs}, tokenizer)
+    assert prompt_token_ids("chat", {"messages": msgs, "tools": "nonsense"}, tokenizer) == \
+        prompt_token_ids("chat", {"messages": msgs}, tokenizer)
