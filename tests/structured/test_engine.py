@@ -258,3 +258,19 @@ def test_a_slow_compile_never_holds_up_other_requests(llm, monkeypatch):
     while eng.has_unfinished_requests():
         outs.update({o.request_id: o for o in eng.step() if o.finished})
     assert outs[slow].outputs[0].text == "held-back"
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_share_the_step_bitmask():
+    """Two tensor-parallel ranks in their own processes: the SchedulerOutput (bitmask included)
+    reaches both; the output rank samples under it."""
+    tp = LLM(dtype="float32", kv_cache_memory="64MiB", tensor_parallel_size=2)
+    try:
+        names = ["nested", "enum"]
+        outs = tp.generate([chat(tp, f"JSON {n}") for n in names], [constrained(SO(json=SCHEMAS[n])) for n in names],
+                           use_tqdm=False)
+    finally:
+        tp.engine.close()
+    for name, out in zip(names, outs):
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[name])
