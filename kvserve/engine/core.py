@@ -461,6 +461,7 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions,
             **(self.connector.stats() if self.connector is not None else {}),
             **self._worker_connector_stats(),
+            **(self._structured.stats() if self._structured is not None else {}),
         }
 
     def _worker_connector_stats(self) -> dict[str, float | int]:

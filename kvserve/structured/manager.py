@@ -159,5 +159,11 @@ class StructuredOutputManager:
                 terminated.append(rid)
         return terminated, failed
 
+    def stats(self) -> dict[str, float | int]:
+        """Counters for EngineCore.stats (and so /metrics)."""
+        return {"structured_outputs_compiles": self.cache.misses, "structured_outputs_cache_hits": self.cache.hits,
+                "structured_outputs_compiling": len(self.pending),
+                "structured_outputs_mask_seconds": self.mask_seconds, "structured_outputs_mask_steps": self.mask_steps}
+
     def close(self) -> None:
         self.cache.close()

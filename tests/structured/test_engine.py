@@ -51,6 +51,9 @@ def test_json_outputs_validate(llm):
         c = out.outputs[0]
         assert c.finish_reason == "stop", (name, c.text)
         jsonschema.validate(json.loads(c.text), schema)
+    stats = llm.engine.stats()
+    assert stats["structured_outputs_compiles"] >= len(SCHEMAS) and stats["structured_outputs_compiling"] == 0
+    assert stats["structured_outputs_mask_steps"] > 0 and stats["structured_outputs_mask_seconds"] > 0
 
 
 def test_json_object_regex_and_choice(llm):
