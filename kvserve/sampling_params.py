@@ -24,7 +24,11 @@ class StructuredOutputsParams:
     """A constraint on the generated text, as vLLM (v0.12+) spells it: exactly one of `json`
     (a JSON schema, as a dict or its JSON text), `regex`, `choice`, `grammar` (EBNF / GBNF text)
     or `json_object` (any JSON object). `whitespace_pattern` narrows the whitespace a JSON
-    constraint allows. Compiled by the backend in kvserve/structured/."""
+    constraint allows. Compiled by the backend in kvserve/structured/.
+
+    `reasoning_end` (kvserve's; the server sets it under --reasoning-parser, as vLLM applies a
+    structured output after the reasoning): the constraint starts once the output, or the end of
+    the prompt, holds this text (e.g. "</think>"); before it the model reasons unconstrained."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
@@ -32,6 +36,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     whitespace_pattern: str | None = None
+    reasoning_end: str | None = None
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -42,13 +47,15 @@ class StructuredOutputsParams:
                              f"json_object; got {set_kinds or 'none'}")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError(f"structured_outputs.json must be a JSON schema (object or string), got {self.json!r}")
-        for name in ("regex", "grammar", "whitespace_pattern"):
+        for name in ("regex", "grammar", "whitespace_pattern", "reasoning_end"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
                 raise ValueError(f"structured_outputs.{name} must be a string, got {v!r}")
         if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
                                         or not all(isinstance(c, str) for c in self.choice)):
             raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+        if self.reasoning_end == "":
+            raise ValueError("structured_outputs.reasoning_end must not be empty")
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise ValueError(f"structured_outputs.json_object must be a boolean, got {self.json_object!r}")
 
@@ -58,7 +65,8 @@ class StructuredOutputsParams:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON values (for the wire and for cache keys)."""
-        return {f: getattr(self, f) for f in (*self.KINDS, "whitespace_pattern") if getattr(self, f) is not None}
+        return {f: getattr(self, f) for f in (*self.KINDS, "whitespace_pattern", "reasoning_end")
+                if getattr(self, f) is not None}
 
 
 @dataclass

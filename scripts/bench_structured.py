@@ -75,7 +75,7 @@ def compile_times(llm: LLM) -> list[float]:
 
     tok = llm.get_tokenizer()
     eng = llm.engine
-    cls = backend_class(eng.config.model.structured_outputs_backend)
+    cls = backend_class(eng.config.structured_outputs_backend)
     backend = cls.from_tokenizer(tok, eng.hf_config.vocab_size, tok.eos_token_id)
     times = []
     for _, _, schema in SCHEMAS[:20]:

@@ -229,7 +229,7 @@ class EngineCore:
         self.processor.add(request_id, prompt, list(prompt_token_ids), params, children)
         for child in children:
             if params.structured_outputs is not None:  # a matcher per sequence, once its grammar compiled
-                self.structured.add(child.request_id, params.structured_outputs)
+                self.structured.add(child.request_id, params.structured_outputs, prompt_token_ids)
             self.scheduler.add_request(child)
         return request_id
 

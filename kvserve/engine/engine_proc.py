@@ -32,7 +32,7 @@ from kvserve.config import BlendConfig, EngineConfig
 from kvserve.engine.delta_tracker import DeltaTracker
 from kvserve.engine.wire import (ABORT, ADD, CLEAR_CACHE, ERROR, FATAL, OUTPUTS, PING, READY, SHUTDOWN, SNAPSHOT, STATS,
                                  STATS_RESULT, STOPPED, AddMsg, ErrorMsg, FatalMsg, ModelInfo, OutputsMsg,
-                                 RequestDeltaWire, SnapshotMsg, StatsResultMsg, StoppedMsg, decode, encode,
+                                 RequestDeltaWire, SnapshotMsg, StatsResultMsg, StoppedMsg, decode, encode, error_kind,
                                  params_from_wire)
 from kvserve.fast_exit import exit_process
 from kvserve.lifetime import die_with_parent, remove_stale_temp_dirs
@@ -131,7 +131,7 @@ class EngineLoop:
                 self.pending.extend(d for d in map(self.tracker.delta, outs) if d is not None)
                 for rid, why in self.engine.take_errors().items():
                     self.tracker.requests.pop(rid, None)
-                    self._send(ErrorMsg(type=ERROR, request_id=rid, message=why, kind="kv_load"))
+                    self._send(ErrorMsg(type=ERROR, request_id=rid, message=why, kind=error_kind(why)))
             if self.pending:
                 self._send(OutputsMsg(type=OUTPUTS, deltas=self.pending))
                 self.pending = []

@@ -122,6 +122,13 @@ class ErrorMsg(TypedDict):
     kind: Literal["invalid", "kv_load"]  # refused on arrival (a ValueError) | its remote K/V failed
 
 
+def error_kind(why: str) -> Literal["invalid", "kv_load"]:
+    """The kind of a request that failed in the engine after it was accepted: a grammar that did
+    not compile is the request's own fault (kvserve/structured/; a 400 naming the field), anything
+    else failed loading its K/V (a 502)."""
+    return "invalid" if why.startswith("structured_outputs") else "kv_load"
+
+
 class StatsResultMsg(TypedDict):
     type: Literal["stats_result"]
     query_id: int

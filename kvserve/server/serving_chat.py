@@ -3,6 +3,7 @@ structured outputs (structured_fields.py), tool calls and reasoning output (tool
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -10,9 +11,15 @@ from fastapi.responses import StreamingResponse
 from kvserve.engine.wire import CompletionDelta
 from kvserve.server import protocol as P
 from kvserve.server.accum import Accum
+from kvserve.server.reasoning_parsers import REASONING_PARSERS
 from kvserve.server.serving import APIError, Receive, Serving
 from kvserve.server.structured_fields import structured_outputs
 from kvserve.server.tools import ChoiceOutput, ToolPlan, plan_tools, thinking_on
+
+
+# Prompt tokens read for a reasoning end already there (the generation prompt); the engine reads
+# as many (structured/manager.py).
+REASONING_TAIL = 16
 
 
 class ChatServing(Serving):
@@ -33,6 +40,7 @@ class ChatServing(Serving):
                 raise APIError(400, f"tool_choice {plan.mode!r} constrains the output to the tool call; it cannot "
                                f"be combined with {field}", param=field)
             constraint, field = plan.constraint, "tools"  # the engine judges the tools' parameters schemas
+        thinking = thinking_on(req.chat_template_kwargs) and self.chat.reasoning_parser is not None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self.check_sequences(1, req.n, "messages")
         options = dict(add_generation_prompt=req.add_generation_prompt,
@@ -41,6 +49,14 @@ class ChatServing(Serving):
         toks = await self.render_chat(req.messages, **options)
         truncated = self.truncate(req, [toks])[0]
         cut, toks = len(truncated) < len(toks), truncated
+        if thinking:
+            end = REASONING_PARSERS[self.chat.reasoning_parser].END
+            # A prompt that ends past the reasoning (a template that closes it, an assistant turn
+            # continued after it) leaves none in the output; otherwise a grammar applies after it.
+            if end in self.tokenizer.decode(toks[-REASONING_TAIL:]):
+                thinking = False
+            elif constraint is not None:
+                constraint = dataclasses.replace(constraint, reasoning_end=end)
         params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                       longest_prompt=len(toks), structured=constraint)
         self.check_prompt(toks, params, "messages")
@@ -49,9 +65,6 @@ class ChatServing(Serving):
         deltas = await self.start([toks], per_prompt, req.cache_salt, stream=req.stream, priority=req.priority,
                                   constraint_field=field)
         acc, rid = Accum(req.n), P.new_id("chatcmpl")
-        # A constrained output matches the grammar from its first token, so it has no reasoning to split
-        # off (the engine does not start a grammar after </think>): the reasoning parser is off for it.
-        thinking = thinking_on(req.chat_template_kwargs) and constraint is None
         if req.stream:
             final, continuous = self.usage_options(req)
             return StreamingResponse(self.stream_events(deltas, acc, self._chunker(req, rid, plan, thinking),

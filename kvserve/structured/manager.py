@@ -23,6 +23,7 @@ from kvserve.structured.cache import CompileCache
 from kvserve.structured.registry import backend_class, candidates
 
 _CHECKED_CAPACITY = 1024
+_PROMPT_TAIL = 16  # prompt tokens read for a reasoning end already there (the generation prompt)
 
 
 @dataclass
@@ -32,6 +33,21 @@ class GrammarBitmask:
 
     req_ids: list[str]
     bitmask: np.ndarray
+
+
+class _ReasoningGate:
+    """A sequence constrained only after its reasoning ends (StructuredOutputsParams.reasoning_end):
+    its tokens are decoded one by one into a short tail until the tail holds the end text. The end
+    text is ASCII ("</think>"), so single-token decodes put it together exactly."""
+
+    def __init__(self, end: str) -> None:
+        self.end = end
+        self.tail = ""
+
+    def feed(self, text: str) -> bool:
+        """True once the end text has come."""
+        self.tail = (self.tail + text)[-4 * len(self.end) - 64:]
+        return self.end in self.tail
 
 
 class StructuredOutputManager:
@@ -52,6 +68,8 @@ class StructuredOutputManager:
         self._checked: dict[ConstraintKey, str] = {}  # constraint -> the backend that takes it
         self.pending: dict[str, tuple[str, Future]] = {}  # request id -> (backend, its compile)
         self.matchers: dict[str, Matcher] = {}
+        # Sequences still reasoning: their grammar starts when the reasoning ends.
+        self.gates: dict[str, _ReasoningGate] = {}
         # The cost on the engine's step: seconds filling bitmasks, steps that had one, rows filled.
         self.mask_seconds = 0.0
         self.mask_steps = 0
@@ -95,10 +113,17 @@ class StructuredOutputManager:
             return name
         raise first
 
-    def add(self, request_id: str, params: StructuredOutputsParams) -> None:
-        """Start (or share) the compile of a checked request's constraint."""
+    def add(self, request_id: str, params: StructuredOutputsParams, prompt_token_ids: list[int] = ()) -> None:
+        """Start (or share) the compile of a checked request's constraint. With a reasoning_end the
+        grammar waits for it, unless the prompt's end already holds it (a chat template that closes
+        the reasoning itself, as Qwen3's does with enable_thinking=false)."""
         name = self.check(params)
         self.pending[request_id] = (name, self.cache.get((name, constraint_key(params))))
+        if params.reasoning_end is not None:
+            gate = _ReasoningGate(params.reasoning_end)
+            if not gate.feed(self.tokenizer.decode(list(prompt_token_ids)[-_PROMPT_TAIL:])):
+                gate.tail = ""
+                self.gates[request_id] = gate
 
     def poll(self) -> dict[str, str]:
         """Give a matcher to each request whose grammar compiled; returns those whose compile failed (id -> why)."""
@@ -126,12 +151,13 @@ class StructuredOutputManager:
     def release(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
         self.matchers.pop(request_id, None)
+        self.gates.pop(request_id, None)
 
     # ---- each step ------------------------------------------------------------
 
     def bitmask(self, sampling_ids: list[str]) -> GrammarBitmask | None:
         """The rows of the constrained requests among those that sample this step (None: none)."""
-        rids = [r for r in sampling_ids if r in self.matchers]
+        rids = [r for r in sampling_ids if r in self.matchers and r not in self.gates]
         if not rids:
             return None
         start = time.perf_counter()
@@ -151,6 +177,11 @@ class StructuredOutputManager:
         for rid, token in tokens.items():
             m = self.matchers.get(rid)
             if m is None:
+                continue
+            gate = self.gates.get(rid)
+            if gate is not None:  # still reasoning: the grammar starts after the end text
+                if gate.feed(self.tokenizer.decode([token])):
+                    del self.gates[rid]
                 continue
             if not m.accept(token):
                 failed[rid] = f"structured_outputs: token {token} does not fit the grammar"

@@ -283,22 +283,34 @@ def test_langchain_bind_tools(tools_server):
 
 
 @needs_grammar
-def test_constrained_output_is_not_taken_for_reasoning(tools_client):
-    """deepseek_r1 takes an output without </think> for reasoning; a constrained one has none."""
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=200, temperature=0)
-    out = tools_client.chat.completions.create(tools=TOOLS, tool_choice="required", **kw).choices[0]
+def test_a_constraint_applies_after_the_reasoning(tools_client):
+    """Under --reasoning-parser the grammar starts once the reasoning ends (as vLLM does): a model
+    that never writes </think> reasons unconstrained to max_tokens; an assistant turn continued
+    after </think> is constrained from its first token and has no reasoning; with thinking off the
+    constraint holds from the start."""
+    msgs = [{"role": "user", "content": PROMPT}]
+    kw = dict(model=MODEL, max_tokens=12, temperature=0)
+    choice = {"structured_outputs": {"choice": ["yes", "no"]}}
+    out = tools_client.chat.completions.create(messages=msgs, extra_body={**choice, "ignore_eos": True},
+                                               **kw).choices[0]
+    assert out.finish_reason == "length" and out.message.model_extra.get("reasoning_content")
+    after = msgs + [{"role": "assistant", "content": "<think>Easy.</think>"}]
+    out = tools_client.chat.completions.create(
+        messages=after, extra_body={**choice, "continue_final_message": True, "add_generation_prompt": False},
+        **kw).choices[0]
+    assert out.message.content in ("yes", "no") and out.message.model_extra.get("reasoning_content") is None
+    out = tools_client.chat.completions.create(messages=msgs, tools=TOOLS, tool_choice="required",
+                                               extra_body=NO_THINKING, **{**kw, "max_tokens": 200}).choices[0]
     assert out.finish_reason == "tool_calls" and out.message.tool_calls
     assert out.message.model_extra.get("reasoning_content") is None
-    out = tools_client.chat.completions.create(extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
-                                               **kw).choices[0]
-    assert out.message.content in ("yes", "no") and out.message.model_extra.get("reasoning_content") is None
 
 
 @needs_grammar
 def test_each_choice_has_its_own_calls(tools_client):
     """n > 1: every choice is read on its own, streamed or not."""
     kw = dict(model=MODEL, messages=[{"role": "user", "content": PROMPT}], tools=TOOLS, n=2, seed=7,
-              tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=100, temperature=1)
+              tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=100, temperature=1,
+              extra_body=NO_THINKING)
     out = tools_client.chat.completions.create(**kw)
     assert [c.index for c in out.choices] == [0, 1]
     for c in out.choices:

@@ -153,6 +153,10 @@ def test_a_failed_compile_ends_only_its_request(llm, monkeypatch):
         errors.update(eng.take_errors())
     assert errors == {bad: "structured_outputs.regex: too complex to compile"}
     assert set(finished) == set(ok) and finished[ok[1]].outputs[0].text in ("yes", "no")
+    # The engine process sends it as the request's own fault: the server answers 400, not 502.
+    from kvserve.engine.wire import error_kind
+
+    assert error_kind(errors[bad]) == "invalid" and error_kind("kv_transfer: the fetch timed out") == "kv_load"
 
 
 def test_preemption_keeps_the_matcher_consistent():
@@ -277,3 +281,35 @@ def test_tensor_parallel_ranks_share_the_step_bitmask():
     for name, out in zip(names, outs):
         assert out.outputs[0].finish_reason == "stop"
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[name])
+
+
+def test_a_reasoning_end_holds_the_grammar_back_until_it_comes(llm):
+    """StructuredOutputsParams.reasoning_end: no mask while the sequence reasons, the grammar from
+    the token after the end text on; a prompt whose end already holds it is constrained at once."""
+    import time
+
+    eng = llm.engine
+    tok = llm.get_tokenizer()
+    so = SO(choice=["yes", "no"], reasoning_end="</think>")
+    st = eng.structured
+    st.add("gated", so, tok("Question?")["input_ids"])
+    st.add("open", so, tok("Question? <think>Easy.</think>")["input_ids"])
+    while st.pending:
+        st.wait(1.0)
+        assert not st.poll()
+    assert st.bitmask(["gated", "open"]).req_ids == ["open"]
+    for t in tok("<think>Let me see.</")["input_ids"]:
+        assert st.accept({"gated": t}) == ([], {}) and st.bitmask(["gated"]) is None
+    for t in tok("think>")["input_ids"]:
+        st.accept({"gated": t})
+    assert st.bitmask(["gated"]).req_ids == ["gated"]  # constrained from the next token
+    yes = tok("yes")["input_ids"]
+    for t in yes:
+        st.accept({"gated": t})
+    assert st.accept({"gated": tok.eos_token_id}) == (["gated"], {})
+    st.release("gated")
+    st.release("open")
+    # End to end: an answer continued after the reasoning is constrained from its first token.
+    text = chat(llm, "Is the sky blue?") + "<think>It is.</think>"
+    out = llm.generate(text, SamplingParams(temperature=0, max_tokens=8, structured_outputs=so), use_tqdm=False)[0]
+    assert out.outputs[0].text in ("yes", "no"), time.time()
