@@ -14,7 +14,7 @@
 The cost in throughput is `kvserve bench throughput --json-schema FILE` against the same command
 without it (BENCHMARKS.md has both).
 
-    .venv/bin/python scripts/bench_structured.py [--max-tokens 192] [--streams 8] [--skip-hf]
+    .venv/bin/python scripts/bench_structured.py [--max-tokens 192] [--streams 8] [--skip-hf] [--max-string 40]
 """
 
 from __future__ import annotations
@@ -39,11 +39,25 @@ def _valid(text: str, schema: dict) -> bool:
         return False
 
 
-def validity_kvserve(llm: LLM, max_tokens: int) -> list[bool]:
+def bounded(schema, max_len: int):
+    """The schema with maxLength on every string that has no bound and no pattern (stricter: what
+    validates under it validates under the original)."""
+    if isinstance(schema, dict):
+        out = {k: bounded(v, max_len) for k, v in schema.items()}
+        if out.get("type") == "string" and "maxLength" not in out and "pattern" not in out:
+            out["maxLength"] = max_len
+        return out
+    if isinstance(schema, list):
+        return [bounded(v, max_len) for v in schema]
+    return schema
+
+
+def validity_kvserve(llm: LLM, max_tokens: int, max_string: int | None = None) -> list[bool]:
     out = []
     for _, what, schema in SCHEMAS:
+        constraint = schema if max_string is None else bounded(schema, max_string)
         params = SamplingParams(temperature=0, max_tokens=max_tokens,
-                                structured_outputs=StructuredOutputsParams(json=schema))
+                                structured_outputs=StructuredOutputsParams(json=constraint))
         text = llm.chat(schema_prompt(what, schema), params, use_tqdm=False)[0].outputs[0].text
         out.append(_valid(text, schema))
     return out
@@ -94,21 +108,23 @@ def step_times(llm: LLM, streams: int, steps: int, with_compiles: bool) -> list[
                         SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True))
     for _ in range(4):  # the prefills
         eng.step()
-    times = []
+    times, compiling = [], []
     for n in range(steps):
         if with_compiles and n % 8 == 0:
             _, what, schema = SCHEMAS[(n // 8) % len(SCHEMAS)]
             unique = {**schema, "description": uuid.uuid4().hex}  # never compiled before
             eng.add_request(f"c{n}", prompt, SamplingParams(temperature=0, max_tokens=8,
                                                             structured_outputs=StructuredOutputsParams(json=unique)))
+        busy = bool(with_compiles and eng.structured.pending)  # a grammar compiles during this step
         t = time.perf_counter()
         eng.step()
         times.append(time.perf_counter() - t)
+        compiling.append(busy and bool(eng.structured.pending))
     for rid in list(eng.scheduler.requests):
         eng.abort_request(rid)
     while eng.has_unfinished_requests():
         eng.step()
-    return times
+    return times, compiling
 
 
 def _summary(xs: list[float]) -> str:
@@ -123,10 +139,15 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--steps", type=int, default=160)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--max-string", type=int, default=40,
+                    help="also run the validity set with maxLength on every unbounded string")
     args = ap.parse_args()
     llm = LLM()
     ours = validity_kvserve(llm, args.max_tokens)
     print(f"validity, kvserve constrained: {sum(ours)}/{len(ours)}")
+    if args.max_string:
+        capped = validity_kvserve(llm, args.max_tokens, args.max_string)
+        print(f"validity, kvserve constrained, strings capped at {args.max_string} chars: {sum(capped)}/{len(capped)}")
     if not args.skip_hf:
         theirs = validity_hf(args.max_tokens)
         print(f"validity, HF generate unconstrained: {sum(theirs)}/{len(theirs)}")
@@ -134,10 +155,13 @@ def main() -> None:
     s = sorted(times)
     print(f"compile (cold, {len(s)} schemas): p50 {statistics.median(s) * 1e3:.1f} ms, "
           f"p99 {s[min(len(s) - 1, int(0.99 * len(s)))] * 1e3:.1f} ms, max {s[-1] * 1e3:.1f} ms")
-    plain = step_times(llm, args.streams, args.steps, with_compiles=False)
-    busy = step_times(llm, args.streams, args.steps, with_compiles=True)
+    plain, _ = step_times(llm, args.streams, args.steps, with_compiles=False)
+    busy, compiling = step_times(llm, args.streams, args.steps, with_compiles=True)
+    during = [t for t, c in zip(busy, compiling) if c]
     print(f"steps, {args.streams} streams, no constrained request: {_summary(plain)}")
     print(f"steps, {args.streams} streams, a cold compile every 8 steps: {_summary(busy)}")
+    if during:
+        print(f"  of those, the {len(during)} steps during which a compile ran: {_summary(during)}")
     llm.close()
 
 
