@@ -86,19 +86,11 @@ def _byte_decoder() -> dict[str, int]:
 
 
 def greedy_tokenize(vocab: Vocab, text: bytes) -> list[int]:
-    """Longest match over the vocabulary: a valid (if not BPE's) tokenization of text."""
-    index = {t: i for i, t in enumerate(vocab.token_bytes) if t}
-    out, pos = [], 0
-    while pos < len(text):
-        for n in range(min(16, len(text) - pos), 0, -1):
-            i = index.get(text[pos:pos + n])
-            if i is not None:
-                out.append(i)
-                pos += n
-                break
-        else:
-            raise ValueError(f"byte {text[pos]} has no token")
-    return out
+    """Longest match over the vocabulary: a valid (if not BPE's) tokenization of text, as the
+    llguidance backend tokenizes forced text for a vocabulary given as bytes."""
+    from kvserve.structured.guidance_backend import _RawTokenizer
+
+    return _RawTokenizer(vocab)(text)
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -175,18 +175,15 @@ class ChatMessage(_Strict):
             raise PydanticCustomError("missing", "a {role} message needs content", {"role": role})
         return value
 
-    @field_validator("tool_calls")
+    @field_validator("tool_calls", "tool_call_id")
     @classmethod
-    def _calls_of_assistant(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None and info.data.get("role") != "assistant":
-            raise PydanticCustomError("not_allowed", "only an assistant message has tool_calls")
-        return value
-
-    @field_validator("tool_call_id")
-    @classmethod
-    def _id_of_tool(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None and info.data.get("role") != "tool":
-            raise PydanticCustomError("not_allowed", "only a tool message has a tool_call_id")
+    def _of_its_role(cls, value: Any, info: ValidationInfo) -> Any:
+        """tool_calls belong to an assistant message, tool_call_id to a tool message."""
+        role = {"tool_calls": "assistant", "tool_call_id": "tool"}[info.field_name]
+        if value is not None and info.data.get("role") != role:
+            article = "an" if role[0] in "aeiou" else "a"
+            raise PydanticCustomError("not_allowed", "only {article} {role} message has {field}",
+                                      {"article": article, "role": role, "field": info.field_name})
         return value
 
     @model_validator(mode="after")

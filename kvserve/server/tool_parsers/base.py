@@ -108,31 +108,45 @@ def held_back(text: str, marker: str) -> int:
     return 0
 
 
-def tagged_calls(text: str, final: bool, start: str, end: str, body: Callable[[str], list[ToolCall] | None]
-                 ) -> Extracted:
-    """The calls of a format that wraps each call (or list of calls) in `start` ... `end`: text
-    outside the markers is content; `body(text_between)` gives the calls or None when it is not
-    calls (then the whole tagged span is content). A call cut off by the end of the output (no
-    `end`) is taken if it parses whole, as vLLM does."""
+def marked_calls(text: str, final: bool, marker: str,
+                 calls_at: Callable[[str, int, bool], tuple[list[ToolCall] | None, int] | None]) -> Extracted:
+    """The calls of a format that puts a marker before each call (or list of calls): text outside
+    them is content. `calls_at(text, pos, final)` reads what follows a marker ending at `pos`:
+    (the calls, where they end), (None, where the span ends) when it is not calls (the marked span
+    is then content), or None when it is not whole yet (held, streaming)."""
     pos, content, calls = 0, [], []
     while True:
-        i = text.find(start, pos)
+        i = text.find(marker, pos)
         if i < 0:
             tail = text[pos:]
-            content.append(tail if final else tail[:len(tail) - held_back(tail, start)])
+            content.append(tail if final else tail[:len(tail) - held_back(tail, marker)])
             break
         content.append(text[pos:i])
-        j = text.find(end, i + len(start))
-        if j < 0 and not final:
+        got = calls_at(text, i + len(marker), final)
+        if got is None:
             break  # not whole yet: held
-        stop = j + len(end) if j >= 0 else len(text)
-        found = body(text[i + len(start):j if j >= 0 else len(text)])
+        found, stop = got
         if found is None:
             content.append(text[i:stop])
         else:
             calls += found
         pos = stop
     return Extracted("".join(content), calls)
+
+
+def tagged_calls(text: str, final: bool, start: str, end: str, body: Callable[[str], list[ToolCall] | None]
+                 ) -> Extracted:
+    """The calls of a format that wraps each call (or list of calls) in `start` ... `end`;
+    `body(text_between)` gives the calls or None when it is not calls. A call cut off by the end
+    of the output (no `end`) is taken if it parses whole, as vLLM does."""
+
+    def calls_at(text: str, pos: int, final: bool) -> tuple[list[ToolCall] | None, int] | None:
+        j = text.find(end, pos)
+        if j < 0 and not final:
+            return None
+        return body(text[pos:j if j >= 0 else len(text)]), (j + len(end) if j >= 0 else len(text))
+
+    return marked_calls(text, final, start, calls_at)
 
 
 def json_calls(inner: str) -> list[ToolCall] | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 
-from kvserve.server.tool_parsers.base import (Extracted, ToolCall, ToolParser, decode_at, held_back, make_calls,
+from kvserve.server.tool_parsers.base import (Extracted, ToolCall, ToolParser, decode_at, make_calls, marked_calls,
                                               register, skip_ws)
 
 _NAME = re.compile(r"[A-Za-z0-9_.:\-]+")
@@ -21,24 +21,7 @@ class MistralToolParser(ToolParser):
     TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
 
     def parse(self, text: str, final: bool) -> Extracted:
-        pos, content, calls = 0, [], []
-        while True:
-            i = text.find(self.TAG, pos)
-            if i < 0:
-                tail = text[pos:]
-                content.append(tail if final else tail[:len(tail) - held_back(tail, self.TAG)])
-                break
-            content.append(text[pos:i])
-            got = self._calls(text, i + len(self.TAG), final)
-            if got is None:
-                break  # not whole yet: held
-            found, stop = got
-            if found is None:
-                content.append(text[i:stop])
-            else:
-                calls += found
-            pos = stop
-        return Extracted("".join(content), calls)
+        return marked_calls(text, final, self.TAG, self._calls)
 
     def _calls(self, text: str, pos: int, final: bool) -> tuple[list[ToolCall] | None, int] | None:
         """The calls after a marker at `pos` and where they end; (None, end) if they are not calls;
