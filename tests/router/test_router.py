@@ -445,3 +445,28 @@ def test_launch_starts_and_stops_its_replicas(tmp_path):
         wait_until("every launched process to exit", lambda: all(gone(p) for p in family), 30)
     finally:
         r.stop()
+
+
+def test_structured_outputs_and_tools_through_the_router(routers):
+    """A JSON-schema request and a forced tool call through the KV-aware router, which renders the
+    chat (tools included) to hash it: the replica's constrained answers come back whole."""
+    import jsonschema
+
+    base = routers["kv_aware"].base
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "sunny": {"type": "boolean"}},
+              "required": ["city", "sunny"], "additionalProperties": False}
+    msgs = [{"role": "user", "content": "The weather in Paris, as JSON."}]
+    rf = {"type": "json_schema", "json_schema": {"name": "weather", "schema": schema}}
+    status, raw, _ = http_request("POST", f"{base}/v1/chat/completions", {
+        "messages": msgs, "max_tokens": 100, "temperature": 0, "response_format": rf}, timeout=120)
+    assert status == 200, raw
+    jsonschema.validate(json.loads(json.loads(raw)["choices"][0]["message"]["content"]), schema)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}]
+    status, raw, _ = http_request("POST", f"{base}/v1/chat/completions", {
+        "messages": msgs, "tools": tools, "tool_choice": "required", "max_tokens": 100, "temperature": 0}, timeout=120)
+    assert status == 200, raw
+    choice = json.loads(raw)["choices"][0]
+    call = choice["message"]["tool_calls"][0]["function"]
+    assert choice["finish_reason"] == "tool_calls" and call["name"] == "get_weather"
+    assert isinstance(json.loads(call["arguments"])["city"], str)

@@ -57,3 +57,20 @@ def test_prefill_decode_disaggregation_decodes_under_the_grammar(llm):
 
 def _fields(sp: SamplingParams) -> dict:
     return {"temperature": sp.temperature, "max_tokens": sp.max_tokens, "structured_outputs": sp.structured_outputs}
+
+
+def test_a_blended_prompt_is_decoded_under_the_grammar():
+    """Blending reuses chunks' K/V before the step's forward; the grammar masks sampling after it:
+    a RAG prompt whose chunks are blended still answers with JSON that validates."""
+    llm = LLM(dtype="float32", kv_cache_memory="64MiB", enable_blending=True, blend_max_deviation=1e9)
+    try:
+        docs = ["Paris is the capital of France. It lies on the Seine." * 3,
+                "Rome is the capital of Italy. It lies on the Tiber." * 3]
+        params = constrained(SO(json=SCHEMAS["nested"]))
+        for order in ([0, 1], [1, 0]):  # the second prompt reuses both chunks, in another order
+            text = chat(llm, "Notes # # " + " # # ".join(docs[i] for i in order) + " # # A person as JSON.")
+            out = llm.generate([text], params, use_tqdm=False)[0]
+            jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS["nested"])
+        assert out.num_cached_tokens_by_tier.get("blended", 0) > 0
+    finally:
+        llm.engine.close()
