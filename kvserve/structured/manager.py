@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,13 +25,26 @@ _CHECKED_CAPACITY = 1024
 _PROMPT_TAIL = 16  # prompt tokens read for a reasoning end already there (the generation prompt)
 
 
-@dataclass
 class GrammarBitmask:
     """Row i of `bitmask` (int32 words, bit t % 32 of word t // 32 = token t allowed) constrains the
-    sampling of req_ids[i] this step."""
+    sampling of req_ids[i] this step. The rows are filled on the manager's mask thread while the
+    step's forward runs; reading `bitmask` (the sampler, after the forward) waits for the fill, and
+    so does pickling it (an executor that sends the step to other processes)."""
 
-    req_ids: list[str]
-    bitmask: np.ndarray
+    def __init__(self, req_ids: list[str], bitmask: np.ndarray, filled: Future | None = None) -> None:
+        self.req_ids = req_ids
+        self._bitmask = bitmask
+        self._filled = filled
+
+    @property
+    def bitmask(self) -> np.ndarray:
+        if self._filled is not None:
+            self._filled.result()  # re-raises a fill that failed
+            self._filled = None
+        return self._bitmask
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"req_ids": self.req_ids, "_bitmask": self.bitmask, "_filled": None}
 
 
 class _ReasoningGate:
@@ -64,7 +76,10 @@ class StructuredOutputManager:
         self.eos_token_id = eos_token_id
         self._backends: dict[str, GrammarBackend] = {}
         self._lock = threading.Lock()
-        self.cache = CompileCache(self._compile)  # keyed by (backend name, constraint)
+        self.cache = CompileCache(self._compile)
+        # Fills the step's bitmask while the forward runs (normal priority: the step waits for it).
+        self._masks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-grammar-mask")
+        self._last_fill: Future | None = None  # keyed by (backend name, constraint)
         self._checked: dict[ConstraintKey, str] = {}  # constraint -> the backend that takes it
         self.pending: dict[str, tuple[str, Future]] = {}  # request id -> (backend, its compile)
         self.matchers: dict[str, Matcher] = {}
@@ -156,22 +171,32 @@ class StructuredOutputManager:
     # ---- each step ------------------------------------------------------------
 
     def bitmask(self, sampling_ids: list[str]) -> GrammarBitmask | None:
-        """The rows of the constrained requests among those that sample this step (None: none)."""
+        """The rows of the constrained requests among those that sample this step (None: none),
+        filled on the mask thread: the matchers are not advanced again before the step's tokens
+        come back, and the sampler waits for the fill."""
         rids = [r for r in sampling_ids if r in self.matchers and r not in self.gates]
         if not rids:
             return None
-        start = time.perf_counter()
         mask = np.zeros((len(rids), (self.vocab_size + 31) // 32), dtype=np.int32)  # every backend's layout
-        for row, rid in enumerate(rids):
-            self.matchers[rid].fill_bitmask(mask, row)
-        self.mask_seconds += time.perf_counter() - start
-        self.mask_steps += 1
-        self.mask_rows += len(rids)
-        return GrammarBitmask(rids, mask)
+        matchers = [self.matchers[r] for r in rids]
+        self._last_fill = self._masks.submit(self._fill, matchers, mask)
+        return GrammarBitmask(rids, mask, self._last_fill)
+
+    def _fill(self, matchers: list[Matcher], mask: np.ndarray) -> None:
+        start = time.perf_counter()
+        for row, m in enumerate(matchers):
+            m.fill_bitmask(mask, row)
+        with self._lock:
+            self.mask_seconds += time.perf_counter() - start
+            self.mask_steps += 1
+            self.mask_rows += len(matchers)
 
     def accept(self, tokens: dict[str, int]) -> tuple[list[str], dict[str, str]]:
         """Advance the matchers by the tokens sampled this step. Returns the requests whose grammar
         ended (they finish as stopped) and those whose token the grammar rejected (id -> why)."""
+        if self._last_fill is not None:  # no matcher moves while a fill still reads it
+            self._last_fill.result()
+            self._last_fill = None
         terminated: list[str] = []
         failed: dict[str, str] = {}
         for rid, token in tokens.items():
@@ -198,3 +223,4 @@ class StructuredOutputManager:
 
     def close(self) -> None:
         self.cache.close()
+        self._masks.shutdown(wait=False, cancel_futures=True)

@@ -75,3 +75,28 @@ def test_bitmask_rows_follow_the_runner_order():
     assert rows[1].tolist() == bitmask([[2]], 64)[0].tolist()
     assert rows[2].tolist() == bitmask([[1]], 64)[0].tolist()
     assert _bitmask_rows(g, ["u"]) is None and _bitmask_rows(None, ["x"]) is None
+
+
+def test_the_bitmask_is_filled_off_the_engine_thread_and_waited_for_when_read():
+    """The fill runs on the manager's mask thread while the forward runs; reading the rows (the
+    sampler) and pickling them (an executor sending the step to its ranks) wait for it."""
+    import pickle
+    import threading
+    from concurrent.futures import Future
+
+    import numpy as np
+
+    filled = Future()
+    g = GrammarBitmask(["x"], np.zeros((1, 2), dtype=np.int32), filled)
+
+    def fill():
+        g._bitmask[0, 0] = 5
+        filled.set_result(None)
+
+    threading.Timer(0.05, fill).start()
+    assert g.bitmask[0, 0] == 5  # waited for the fill
+    later = Future()
+    h = GrammarBitmask(["y"], np.zeros((1, 2), dtype=np.int32), later)
+    threading.Timer(0.05, lambda: (h._bitmask.__setitem__((0, 1), 7), later.set_result(None))).start()
+    copy = pickle.loads(pickle.dumps(h))
+    assert copy.req_ids == ["y"] and copy.bitmask[0, 1] == 7
