@@ -29,6 +29,7 @@ queueing included. A peer that hangs delays its own requests only.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -71,6 +72,7 @@ class PDConnector(KVConnector):
         self._out_params: dict[str, dict[str, Any]] = {}  # request id -> its output's kv_transfer_params
         # decode side
         self._fetching: dict[str, list[bytes]] = {}  # request -> its prompt's hashes, while the worker fetches
+        self._worker_waits = False  # the last step's plan has the worker role wait for a fetch
         self._loaded: dict[str, list[bytes]] = {}  # fetched: the hashes of the blocks the worker holds
         self._finished: list[str] = []
         self._errors: dict[str, str] = {}  # fetch failures that fail their request (policy fail)
@@ -176,10 +178,14 @@ class PDConnector(KVConnector):
         if self._fetching and not out.num_scheduled_tokens:
             self._step.idle_wait_s = IDLE_WAIT_S
         meta, self._step = self._step, PDStepMeta()
+        self._worker_waits = meta.idle_wait_s > 0
         return meta
 
     def wait(self, timeout: float) -> None:
-        """The worker role waits in the step for a fetch to finish (PDStepMeta.idle_wait_s)."""
+        """When this step's worker role waits for the fetch (PDStepMeta.idle_wait_s) the engine goes
+        straight on; otherwise it sleeps rather than spin."""
+        if not self._worker_waits:
+            time.sleep(timeout)
 
     def forget(self, request_id: str) -> None:
         if self._fetching.pop(request_id, None) is not None or self._loaded.pop(request_id, None) is not None:

@@ -15,6 +15,7 @@ management (flush, persist, clear) goes to the ranks through the engine's `rpc`.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,7 @@ class TierManager(KVConnector):
         self._lookups: dict[str, tuple[int, int]] = {}  # request id -> its last lookup's (queried, found)
         self.counts = {f"{CPU}_queries": 0, f"{CPU}_hits": 0}  # host-RAM lookups, in tokens
         self._pending_writes = 0  # the output rank's queued writes, when it last reported
+        self._worker_waits = False  # the last step's plan has the worker role wait for a prefetch
         self.events: KVEventSink | None = None
 
     def key(self, block_hash: bytes) -> bytes:
@@ -171,10 +173,15 @@ class TierManager(KVConnector):
         if self._fetching and not out.num_scheduled_tokens:
             self._step.idle_wait_s = IDLE_WAIT_S
         meta, self._step = self._step, TierStepMeta()
+        self._worker_waits = meta.idle_wait_s > 0
         return meta
 
     def wait(self, timeout: float) -> None:
-        """The worker role waits in the step for a prefetch to finish (TierStepMeta.idle_wait_s)."""
+        """Nothing to run but waiting requests: when this step's worker role waits for their
+        prefetch (TierStepMeta.idle_wait_s) the engine goes straight on; otherwise it sleeps, so
+        an engine that only waits for news (queued writes) does not spin and starve the writer."""
+        if not self._worker_waits:
+            time.sleep(timeout)
 
     def _new_full_blocks(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> list[EvictedBlock]:
         """Full blocks the step's forward completes, not sent to the remote tier before."""
