@@ -119,7 +119,10 @@ def test_engine_publishes_exactly_its_cached_blocks(tiny_model_factory, tmp_path
         assert sub.header["model_fingerprint"] == llm.engine.model_fingerprint.hex()
         if offload:  # evicted blocks went to host RAM or disk and are announced there
             tier = getattr(llm.engine.executor.runner.connector_roles["tiers"].store, {"cpu": "host"}.get(offload, offload))
-            _wait(lambda: len(sub.mirror.blocks[offload]) == tier.stats()["entries"] > 0, 30.0)
+            # Offline, the engine steps only inside generate(); the writer thread's last writes are
+            # reported with a later step, as a server's engine loop runs while writes are queued.
+            _wait(lambda: not llm.engine.step() and not llm.engine.has_unfinished_requests())
+            _wait(lambda: len(sub.mirror.blocks[offload]) == tier.stats()["entries"] > 0)
         # a new subscriber (a restarted router) gets the same state from the snapshot alone
         late = KVEventSubscriber(pub_addr, replay_addr)
         try:
