@@ -213,8 +213,10 @@ class LlamaForCausalLM(nn.Module):
         Float32 [n, kv_heads, head_dim]. (No scaling factor: the cached K carries it.)"""
         rot = self.model.rotary_emb
         inv_freq, _ = compute_inv_freq(rot.head_dim, rot.params, rot.max_position)
-        angles = offsets.double()[:, None] * inv_freq.double()[None, :]
-        cos, sin = (x.float()[:, None].to(k.device) for x in (angles.cos(), angles.sin()))
+        # A span's tokens share a few offsets (one per reused chunk): rotate by each once.
+        uniq, index = torch.unique(offsets, return_inverse=True)
+        angles = uniq.double()[:, None] * inv_freq.double()[None, :]
+        cos, sin = (x.float()[index][:, None].to(k.device) for x in (angles.cos(), angles.sin()))
         return apply_rotary(k.float(), cos, sin)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
