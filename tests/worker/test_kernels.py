@@ -59,6 +59,15 @@ def check_qmatmul() -> list[str]:
                     rel = float((y - ref).norm() / ref.norm())
                     if not rel < tol:
                         bad.append(f"{mode} {bits}-bit {n}x{k} m={m}: {rel:.2e}")
+            # Batch invariance below the panel path: each token's output is the same bits as when it
+            # runs alone (speculative decoding's verify rows equal one-token steps; greedy outputs
+            # do not depend on what shares the batch).
+            x = torch.randn(9, k, generator=torch.Generator().manual_seed(99))
+            for mode in ("float32", "int8", "int16"):
+                alone = torch.cat([qmatmul.matmul(x[i:i + 1], w, mode) for i in range(9)])
+                for m in (2, 4, 5, 9):
+                    if not torch.equal(qmatmul.matmul(x[:m], w, mode), alone[:m]):
+                        bad.append(f"batch invariance {mode} {bits}-bit {n}x{k} m={m}")
             xs = torch.randn(5, 2 * k)[:, ::2]  # strided rows: a column slice of a wider tensor
             if not torch.allclose(qmatmul.matmul(xs, w, "float32"), F.linear(xs, dense), rtol=1e-5, atol=1e-5):
                 bad.append(f"strided x {bits}-bit {n}x{k}")

@@ -147,19 +147,25 @@ static inline float offsets_dot(int bits, const float *c, const float *d, const 
     return bits == 4 ? s - 8.f * dot_f32(d, xs, nb) : s;
 }
 /* One weight row against MT tokens (x [MT, K] row stride ldx, y column stride ldy): the row's
-   blocks are decoded once for the MT tokens. */
+   blocks are decoded once for the MT tokens. Each token sums as gemv_float does one token (even
+   blocks into one accumulator, odd into another, added at the end), so a token's output is the
+   same bits whatever else shares its batch: a verify step's rows (speculative decoding) equal
+   one-token steps, and greedy outputs do not depend on the batch. The same holds for the int8
+   and int16 tiles below. */
 static inline __attribute__((always_inline)) void float_tile(
         const int MT, int bits, const uint8_t *wr, const float *d, const float *c, int64_t nb, const float *x,
         int64_t ldx, const float *xs, float *y, int64_t ldy) {
-    __m256 acc[TILE];
-    for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
+    __m256 acc[2][TILE];
+    for (int t = 0; t < MT; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         __m256 w[4];
         block_floats(wr, b, bits, w);
         const __m256 dv = _mm256_set1_ps(d[b]);
-        for (int t = 0; t < MT; ++t) acc[t] = _mm256_fmadd_ps(block_dot(w, x + t * ldx + b * 32), dv, acc[t]);
+        __m256 *a = acc[b & 1];
+        for (int t = 0; t < MT; ++t) a[t] = _mm256_fmadd_ps(block_dot(w, x + t * ldx + b * 32), dv, a[t]);
     }
-    for (int t = 0; t < MT; ++t) y[t * ldy] = hsum8(acc[t]) + offsets_dot(bits, c, d, xs + t * nb, nb);
+    for (int t = 0; t < MT; ++t)
+        y[t * ldy] = hsum8(_mm256_add_ps(acc[0][t], acc[1][t])) + offsets_dot(bits, c, d, xs + t * nb, nb);
 }
 /* One token (M = 1), row by row: the tiled loops below without their per-token bookkeeping. Two
    accumulators (even and odd blocks) halve the chain of dependent FMAs the loop waits on. */
@@ -354,19 +360,20 @@ static inline __m256i dot_i16(const __m256i w[2], const int16_t *xv) {
 static inline __attribute__((always_inline)) void int16_tile(
         const int MT, int bits, const uint8_t *wr, const float *d, const float *c, int64_t nb, int64_t K,
         const int16_t *xq, const float *xd, const float *xs, const float *xk, float *y, int64_t ldy) {
-    __m256 acc[TILE];
-    for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
+    __m256 acc[2][TILE];  /* even and odd blocks, as gemv_int16 sums one token */
+    for (int t = 0; t < MT; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         __m256i w[2];
         block_i16(wr, b, bits, w);
+        __m256 *a = acc[b & 1];
         for (int t = 0; t < MT; ++t)
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_i16(w, xq + t * K + b * 32)),
-                                     _mm256_set1_ps(d[b] * xd[t * nb + b]), acc[t]);
+            a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_i16(w, xq + t * K + b * 32)),
+                                   _mm256_set1_ps(d[b] * xd[t * nb + b]), a[t]);
     }
     for (int t = 0; t < MT; ++t) {
         float cs = c ? dot_f32(c, xs + t * nb, nb) : 0.f;
         if (bits == 4) cs += dot_f32(d, xk + t * nb, nb);
-        y[t * ldy] = hsum8(acc[t]) + cs;
+        y[t * ldy] = hsum8(_mm256_add_ps(acc[0][t], acc[1][t])) + cs;
     }
 }
 /* One token, row by row, two accumulators (even and odd blocks) as gemv_float. */
@@ -463,29 +470,31 @@ static void qgemm_int8act(int bits, const uint8_t *wq, const float *wd, const fl
 #if defined(__AVX2__)
             float sc[TILE * nb];  /* d[b] * xd[b] of each token: one broadcast per block below */
             for (int t = 0; t < mt; ++t) mul_f32(d, xd + (m0 + t) * nb, sc + t * nb, nb);
-            __m256 acc[TILE];
-            for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
+            __m256 acc[2][TILE];  /* even and odd blocks, as gemv_int8 sums one token */
+            for (int t = 0; t < TILE; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
             if (bits == 4) {  /* nibbles 0..15 (unsigned) x int8; the centring comes from xk */
                 for (int64_t b = 0; b < nb; ++b) {
                     const __m256i u = unpack_q4(wr + b * 16);
+                    __m256 *a = acc[b & 1];
                     for (int t = 0; t < mt; ++t) {
                         const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (m0 + t) * K + b * 32));
-                        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, xv)), _mm256_broadcast_ss(sc + t * nb + b), acc[t]);
+                        a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, xv)), _mm256_broadcast_ss(sc + t * nb + b), a[t]);
                     }
                 }
                 for (int t = 0; t < mt; ++t) cs[t] = dot_f32(d, xk + (m0 + t) * nb, nb);
             } else {
                 for (int64_t b = 0; b < nb; ++b) {
                     const __m256i sgn = _mm256_loadu_si256((const __m256i *)(wr + b * 32)), u = _mm256_sign_epi8(sgn, sgn);
+                    __m256 *a = acc[b & 1];
                     for (int t = 0; t < mt; ++t) {
                         /* the code's sign moved onto x: u8 x s8 products, as maddubs / dpbusd take them */
                         const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + (m0 + t) * K + b * 32)), sgn);
-                        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, xv)), _mm256_broadcast_ss(sc + t * nb + b), acc[t]);
+                        a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, xv)), _mm256_broadcast_ss(sc + t * nb + b), a[t]);
                     }
                 }
             }
             if (c) for (int t = 0; t < mt; ++t) cs[t] += dot_f32(c, xs + (m0 + t) * nb, nb);
-            for (int t = 0; t < mt; ++t) y[(m0 + t) * ldy + n] = hsum8(acc[t]) + cs[t];
+            for (int t = 0; t < mt; ++t) y[(m0 + t) * ldy + n] = hsum8(_mm256_add_ps(acc[0][t], acc[1][t])) + cs[t];
 #else
             float acc[TILE] = {0.f, 0.f, 0.f, 0.f};
             for (int64_t b = 0; b < nb; ++b) {
