@@ -6,7 +6,8 @@ field it lands in, its default and its help. `EngineConfig.from_kwargs` (`LLM(**
 from it here, and the CLI flags in kvserve/engine_args.py: adding an option is one entry here plus
 the config field it lands in.
 
-The sections are declared in config_sections.py (model, cache, scheduler, parallel, blend) and
+The sections are declared in config_sections.py (model, cache, scheduler, parallel, blend,
+speculative) and
 config_kv.py (tiers, events, transfer); import them from here. No torch and nothing else of kvserve
 at import: every layer may import this.
 """
@@ -24,8 +25,8 @@ from kvserve.config_kv import MIN_KV_KEY_BYTES, KVEventsConfig, KVTransferConfig
 from kvserve.config_sections import (ATTENTION_BACKENDS, BLEND_SEPARATOR, CUDA_DEFAULT_GPU_MEMORY_UTILIZATION, DTYPES,
                                      EXECUTOR_BACKENDS, KV_CACHE_DTYPES, KV_LOAD_FAILURE_POLICIES, KV_ROLES,
                                      KV_TRANSPORTS, POOLING_CHOICES, PREFIX_CACHES, QUANTIZATION_METHODS,
-                                     STRUCTURED_OUTPUTS_BACKENDS, BlendConfig,
-                                     CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, check_bool,
+                                     SPECULATIVE_METHODS, STRUCTURED_OUTPUTS_BACKENDS, BlendConfig,
+                                     CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig, check_bool,
                                      check_choice, check_int, check_kv_sizing, check_recompute_ratio,
                                      parse_cpu_threads_bind, parse_json_object, parse_size, resolve_attention_backend,
                                      triton_interpreting)
@@ -33,15 +34,16 @@ from kvserve.config_sections import (ATTENTION_BACKENDS, BLEND_SEPARATOR, CUDA_D
 __all__ = ["EngineConfig", "Flag", "FLAGS", "FLAGS_BY_NAME", "SECTIONS", "ATTENTION_BACKENDS", "BLEND_SEPARATOR",
            "CUDA_DEFAULT_GPU_MEMORY_UTILIZATION", "DTYPES", "EXECUTOR_BACKENDS", "KV_CACHE_DTYPES",
            "KV_LOAD_FAILURE_POLICIES", "KV_ROLES", "KV_TRANSPORTS", "MIN_KV_KEY_BYTES", "POOLING_CHOICES",
-           "PREFIX_CACHES", "QUANTIZATION_METHODS", "BlendConfig", "CacheConfig", "KVEventsConfig", "KVTransferConfig",
-           "ModelConfig", "ParallelConfig", "SchedulerConfig", "TierConfig", "check_bool", "check_choice", "check_int",
+           "PREFIX_CACHES", "QUANTIZATION_METHODS", "SPECULATIVE_METHODS", "BlendConfig", "CacheConfig", "KVEventsConfig", "KVTransferConfig",
+           "ModelConfig", "ParallelConfig", "SchedulerConfig", "SpeculativeConfig", "TierConfig", "check_bool", "check_choice", "check_int",
            "check_kv_sizing", "check_recompute_ratio", "parse_cpu_threads_bind", "parse_json_object", "parse_size",
            "resolve_attention_backend", "triton_interpreting"]
 
 # EngineConfig's sections, by the name a Flag.target starts with.
 SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                              "parallel": ParallelConfig, "tiers": TierConfig, "kv_events": KVEventsConfig,
-                             "kv_transfer": KVTransferConfig, "blend": BlendConfig}
+                             "kv_transfer": KVTransferConfig, "blend": BlendConfig,
+                             "speculative": SpeculativeConfig}
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class EngineConfig:
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     blend: BlendConfig = field(default_factory=BlendConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     device: str = "cpu"
     structured_outputs_backend: str = "auto"  # the grammar library (kvserve/structured/registry.py)
     check_integrity: bool = False  # check the KV cache's invariants after every step (tests)
@@ -271,6 +274,13 @@ FLAGS: tuple[Flag, ...] = (
          "in full", group="blend", type=float, metavar="D"),
     Flag("blend_max_chunk_tokens", "blend.max_chunk_tokens",
          "longest chunk accepted", group="blend", type=int, metavar="N"),
+    # ---- speculative decoding (spec_decode/)
+    Flag("speculative_config", "speculative.config",
+         "JSON in vLLM's shape, e.g. '{\"method\":\"ngram\",\"num_speculative_tokens\":4,"
+         "\"prompt_lookup_max\":5,\"prompt_lookup_min\":2}': drafts from the request's own earlier tokens, "
+         "verified in one forward (outputs unchanged); kvserve's keys: adaptive (default true: k per request "
+         "from its acceptance rate), disable_by_batch_size (default 16)", group="speculative",
+         convert=parse_json_object, metavar="JSON"),
 )
 
 FLAGS_BY_NAME: dict[str, Flag] = {f.name: f for f in FLAGS}

@@ -1,4 +1,4 @@
-"""EngineConfig's sections (model, cache, scheduler, parallelism, blending), their allowed values and
+"""EngineConfig's sections (model, cache, scheduler, parallelism, blending, speculative decoding), their allowed values and
 the parsers and checks they share; the KV sections (tiers, events, transfer) are in config_kv.py.
 
 Import EngineConfig and its sections from kvserve.config. No torch and nothing else of kvserve here:
@@ -214,6 +214,74 @@ class BlendConfig:
         if isinstance(self.max_deviation, bool) or not isinstance(self.max_deviation, (int, float)) \
                 or not self.max_deviation > 0:
             raise ValueError(f"blend_max_deviation must be a positive number, got {self.max_deviation!r}")
+
+
+# --speculative-config's methods (kvserve/spec_decode/); the keys of its JSON, as vLLM spells them.
+SPECULATIVE_METHODS = ("ngram",)
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "disable_by_batch_size", "adaptive")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (kvserve/spec_decode/), from --speculative-config's JSON as vLLM spells it:
+    {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}.
+    kvserve's keys: "adaptive" (default true: k per request from its acceptance rate, 0 when drafts do
+    not pay) and "disable_by_batch_size" (vLLM's: nobody drafts while this many requests decode;
+    default 16). None: off."""
+
+    config: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        cfg = self.config
+        if cfg is None:
+            return
+        if not isinstance(cfg, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {cfg!r}")
+        unknown = sorted(set(cfg) - set(_SPECULATIVE_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r}; known: {', '.join(_SPECULATIVE_KEYS)}")
+        if cfg.get("method") not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
+                             f"{cfg.get('method')!r} (draft_model and self_quantized are not built yet)")
+        if "num_speculative_tokens" not in cfg:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        check_int("speculative_config.num_speculative_tokens", cfg["num_speculative_tokens"], 1)
+        check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min, 1)
+        check_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max, 1)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) is more than "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        check_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size, 1)
+        check_bool("speculative_config.adaptive", self.adaptive)
+
+    @property
+    def enabled(self) -> bool:
+        return self.config is not None
+
+    @property
+    def method(self) -> str | None:
+        return None if self.config is None else self.config["method"]
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return 0 if self.config is None else self.config["num_speculative_tokens"]
+
+    @property
+    def prompt_lookup_max(self) -> int:
+        return (self.config or {}).get("prompt_lookup_max", 5)
+
+    @property
+    def prompt_lookup_min(self) -> int:
+        return (self.config or {}).get("prompt_lookup_min", min(2, self.prompt_lookup_max))
+
+    @property
+    def disable_by_batch_size(self) -> int:
+        return (self.config or {}).get("disable_by_batch_size", 16)
+
+    @property
+    def adaptive(self) -> bool:
+        return (self.config or {}).get("adaptive", True)
 
 
 def check_recompute_ratio(name: str, value: object) -> None:

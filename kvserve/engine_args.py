@@ -24,6 +24,7 @@ GROUP_TITLES = {
     "kv_events": "KV events (the blocks this engine caches, published for `kvserve router`)",
     "kv_transfer": "prefill/decode disaggregation (K/V computed by one engine, decoded by another)",
     "blend": "non-prefix KV reuse (CacheBlend): chunks of a prompt reuse their K/V wherever they appear",
+    "speculative": "speculative decoding: drafted tokens verified in one forward, outputs unchanged",
 }
 
 

@@ -32,6 +32,7 @@ EXAMPLES = {
     "kv_role": "decode", "kv_transfer_config": '{"kv_port": 5000}', "kv_load_failure_policy": "fail",
     "enable_blending": True, "blend_separator": " ## ", "blend_recompute_ratio": 0.3, "blend_check_layer": 2,
     "blend_recompute_chunk_start": 4, "blend_max_deviation": 0.8, "blend_max_chunk_tokens": 1024,
+    "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}',
 }
 # Flags that only make sense with another one.
 NEEDS = {"kv_events_replay_endpoint": {"kv_events_endpoint": "tcp://127.0.0.1:5557"}}

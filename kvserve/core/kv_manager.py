@@ -158,6 +158,27 @@ class KVCacheManager:
             released = self.cache.release(released)
         self.pool.push_free(released)
 
+    def cache_computed(self, request: Request) -> None:
+        """Register the request's blocks full of computed tokens now, not at its next allocation:
+        tokens accepted from a draft were computed in the step that verified them, and a request
+        that ends there allocates no more (speculative decoding)."""
+        if self.cache is not None:
+            self.cache.insert(request, min(request.num_computed_tokens, request.num_tokens) // self.block_size)
+
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        """Give back the request's blocks past its first num_tokens tokens: slots allocated for
+        drafted tokens that verification rejected (speculative decoding). They hold no token of the
+        request, so the prefix cache never registered them."""
+        keep = _cdiv(num_tokens, self.block_size)
+        tail = request.block_ids[keep:]
+        if not tail:
+            return
+        del request.block_ids[keep:]
+        released = [b for b in reversed(tail) if self.pool.decref(b) == 0]
+        if self.cache is not None:
+            released = self.cache.release(released)
+        self.pool.push_free(released)
+
     def fork(self, src: Request, dst: Request, num_tokens: int) -> None:
         """dst shares src's first num_tokens // block_size blocks (all full ones).
 

@@ -30,6 +30,9 @@ class CachedRequestData:
     # Generated tokens this step computes (a decode's input): ranks that did not sample them
     # (tensor-parallel peers, earlier pipeline stages) take them from here.
     new_token_ids: list[int] = field(default_factory=list)
+    # The request's blocks before new_block_ids: fewer than the runner holds when speculative
+    # decoding gave back the slots of rejected drafts since the last step (KVCacheManager.free_tail).
+    num_kept_blocks: int = 0
 
 
 @dataclass
@@ -43,6 +46,9 @@ class SchedulerOutput:
     # The KV connector's plan for this step (kv_connector.py), opaque to everyone but its
     # worker half, which carries it out around the forward. None without a connector.
     kv_connector_meta: Any = None
+    # Speculative decoding (kvserve/spec_decode/): request -> the tokens drafted after its last one. Its
+    # num_scheduled_tokens counts them; the runner verifies them and samples the token after.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Structured outputs (kvserve/structured/manager.py GrammarBitmask): the allowed tokens of the
     # constrained requests that sample this step; the sampler masks the rest. None: no constraint.
     grammar: Any = None

@@ -25,9 +25,13 @@ from kvserve.request import Request, RequestStatus
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
-                 connector: KVConnector | None = None, is_ready: Callable[[str], bool] | None = None) -> None:
+                 connector: KVConnector | None = None, is_ready: Callable[[str], bool] | None = None,
+                 propose: Callable[[Request, int], list[int]] | None = None) -> None:
         """is_ready(request_id): False keeps a waiting request waiting without holding up the
-        others (a request whose grammar still compiles, kvserve/structured/)."""
+        others (a request whose grammar still compiles, kvserve/structured/).
+
+        propose(request, num_decodes): speculative decoding's drafts for a running request about
+        to decode (kvserve/spec_decode/proposer.py); it is scheduled for 1 + len(drafts) tokens."""
         if not config.resolved:
             raise ValueError("the scheduler needs max_num_batched_tokens and max_model_len set "
                              "(EngineCore fills them in from the model)")
@@ -35,6 +39,7 @@ class Scheduler:
         self.kv = kv_manager
         self.connector = connector
         self.is_ready = is_ready
+        self.propose = propose
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # kept sorted by _order_key
         self.running: list[Request] = []
@@ -141,7 +146,9 @@ class Scheduler:
         return sum(1 for r in self.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KV)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """Serve running requests in order; num_computed_tokens advances as they are scheduled."""
+        """Serve running requests in order; num_computed_tokens advances as they are scheduled
+        (over drafted tokens too: update() rolls it back over the rejected ones)."""
+        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -149,11 +156,18 @@ class Scheduler:
             if num_new == 0:  # its last step is still in flight (pipeline parallel): no token to feed yet
                 i += 1
                 continue
+            drafts = self.propose(req, num_decodes)[:budget - 1] if self.propose and num_new == 1 else []
+            num_new += len(drafts)
             blocks = self.kv.allocate_slots(req, num_new)
+            if blocks is None and drafts:  # drafts never preempt anyone: decode without them
+                num_new -= len(drafts)
+                drafts = []
+                blocks = self.kv.allocate_slots(req, num_new)
             while blocks is None:
                 victim = max(self.running, key=lambda r: self._order[r.request_id])
                 if victim.request_id in out.num_scheduled_tokens:
                     budget += out.num_scheduled_tokens.pop(victim.request_id)
+                    out.draft_token_ids.pop(victim.request_id, None)
                     out.cached_reqs = [c for c in out.cached_reqs if c.req_id != victim.request_id]
                     i -= 1
                 self._preempt(victim)
@@ -164,9 +178,12 @@ class Scheduler:
             if blocks is None:
                 continue  # req itself was preempted; self.running shrank at index i
             out.num_scheduled_tokens[req.request_id] = num_new
+            if drafts:
+                out.draft_token_ids[req.request_id] = drafts
             start = req.num_computed_tokens
             new_ids = req.all_token_ids[start:start + num_new] if start >= req.num_prompt_tokens else []
-            out.cached_reqs.append(CachedRequestData(req.request_id, blocks, start, new_ids))
+            out.cached_reqs.append(CachedRequestData(req.request_id, blocks, start, new_ids,
+                                                     len(req.block_ids) - len(blocks)))
             req.num_computed_tokens += num_new
             budget -= num_new
             i += 1
@@ -255,18 +272,29 @@ class Scheduler:
 
     # ---- after the model ran ----------------------------------------------
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Append sampled tokens, apply stop conditions; returns the requests that got a token."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Append each request's new tokens (one, or with drafts, the accepted drafts and the token
+        after them), stopping at the first that ends it; returns the requests that got tokens."""
         updated: list[Request] = []
         now = time.time()
-        for rid, token in sampled.items():
+        for rid, tokens in sampled.items():
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted meanwhile
-            req.append_output_token(token)
+            num_drafts = len(out.draft_token_ids.get(rid, ()))
+            if num_drafts:  # the rejected drafts' K/V are not the request's: compute those positions again
+                req.num_computed_tokens -= num_drafts - (len(tokens) - 1)
+                self.kv.free_tail(req, req.num_computed_tokens + 1)
             if req.first_token_time is None:
                 req.first_token_time = now
-            status = self._check_stop(req, token)
+            status = None
+            for token in tokens:
+                req.append_output_token(token)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    break
+            if num_drafts:
+                self.kv.cache_computed(req)
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)

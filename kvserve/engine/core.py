@@ -32,6 +32,7 @@ from kvserve.outputs import RequestOutput
 from kvserve.pooling_params import pooling_params, with_default_pooling
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.proposer import SpecDecodeProposer
 from kvserve.structured import StructuredOutputManager
 from kvserve.worker.kv_blocks import whole_block_shape
 from kvserve.worker.model_runner import ModelRunnerOutput, kv_bytes_per_block, kv_dtype_of
@@ -108,12 +109,23 @@ class EngineCore:
         self.kv_events = self._kv_events(config.kv_events) if config.kv_events.enabled else None
         # Structured outputs' matchers, built with the first constrained request (kvserve/structured/).
         self._structured: StructuredOutputManager | None = None
-        self.scheduler = Scheduler(self.scheduler_config, self.kv, self.connector, self._grammar_ready)
+        # Speculative decoding's drafts and counters (kvserve/spec_decode/proposer.py); None: off.
+        self.spec = self._spec_proposer(config)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv, self.connector, self._grammar_ready,
+                                   self.spec.propose if self.spec is not None else None)
         self.errors: dict[str, str] = {}  # requests that failed in the engine (not on input): id -> why
         self.processor = OutputProcessor(self.tokenizer)
         self.check_integrity = config.check_integrity
         self._ids = itertools.count()
         self._in_flight: deque[tuple[SchedulerOutput, Future]] = deque()  # pipeline parallel's batches
+
+    def _spec_proposer(self, config: EngineConfig) -> SpecDecodeProposer | None:
+        if not config.speculative.enabled:
+            return None
+        if config.parallel.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config: speculative decoding with pipeline_parallel_size > 1 is not "
+                             "supported yet")
+        return SpecDecodeProposer(config.speculative, self.max_model_len)
 
     def _max_model_len(self, requested: int | None) -> int:
         limit = getattr(self.hf_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
@@ -322,6 +334,8 @@ class EngineCore:
             return self._finish_step(so, ModelRunnerOutput())
         start = time.perf_counter()
         ro = self.executor.execute(so)
+        if self.spec is not None and len(so.num_scheduled_tokens) == 1:
+            self.spec.observe_step(so.total_num_scheduled_tokens, bool(so.draft_token_ids), time.perf_counter() - start)
         if self.thread_policy is not None:  # fewer threads while the cores are shared (kvserve/threads.py)
             n = self.thread_policy.observe(time.perf_counter() - start, so.total_num_scheduled_tokens)
             if n is not None:
@@ -413,6 +427,12 @@ class EngineCore:
     def _finish_step(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> list[RequestOutput]:
         if self.connector is not None:
             self.connector.update_connector_output(ro.kv_connector_output)
+        if self.spec is not None:
+            for rid in so.finished_req_ids:
+                self.spec.forget(rid)
+            for rid, drafts in so.draft_token_ids.items():
+                if rid in ro.sampled:
+                    self.spec.observe(rid, len(drafts), len(ro.sampled[rid]) - 1)
         updated = self.scheduler.update(so, ro.sampled) + self._finish_pooled(ro)
         rejected = self._accept_grammar(updated)
         outputs, stopped = self.processor.process(updated, ro)
@@ -462,6 +482,7 @@ class EngineCore:
             **(self.connector.stats() if self.connector is not None else {}),
             **self._worker_connector_stats(),
             **(self._structured.stats() if self._structured is not None else {}),
+            **(self.spec.stats() if self.spec is not None else {}),
         }
 
     def _worker_connector_stats(self) -> dict[str, float | int]:

@@ -100,27 +100,28 @@ class OutputProcessor:
         for cid in parent.children if parent else ():
             self.child_to_parent.pop(cid, None)
 
-    def _append(self, child: _Child, req: Request, lp: TokenLogprobs | None) -> bool:
-        """Append the request's newest token to its completion; True if a stop string hit."""
+    def _append(self, child: _Child, req: Request, lps: list[TokenLogprobs] | None) -> bool:
+        """Append the request's new tokens (those its completion does not hold yet: one, or more
+        with speculative decoding) to its completion; True if a stop string hit."""
         c = child.completion
         if c.finish_reason is not None:
             return False
-        tok = req.output_token_ids[-1]
-        c.token_ids.append(tok)
-        if lp is not None and c.logprobs is not None:
-            c.logprobs.append(self._position_logprobs(lp))
-            c.cumulative_logprob = (c.cumulative_logprob or 0.0) + lp[1][0]
-        if child.detok is None:
-            return False
-        # The EOS / stop token itself is not part of the text.
-        is_stop_token = req.is_finished and req.status.finish_reason == "stop"
-        if is_stop_token:
-            return False
-        _, matched = child.detok.add_token(tok)
-        c.text = child.detok.text
-        if matched is not None:
-            c.finish_reason, c.stop_reason = "stop", matched
-            return True
+        new = req.output_token_ids[len(c.token_ids):]
+        for i, tok in enumerate(new):
+            c.token_ids.append(tok)
+            if lps is not None and i < len(lps) and c.logprobs is not None:
+                c.logprobs.append(self._position_logprobs(lps[i]))
+                c.cumulative_logprob = (c.cumulative_logprob or 0.0) + lps[i][1][0]
+            if child.detok is None:
+                continue
+            # The EOS / stop token itself is not part of the text.
+            if i == len(new) - 1 and req.is_finished and req.status.finish_reason == "stop":
+                return False
+            _, matched = child.detok.add_token(tok)
+            c.text = child.detok.text
+            if matched is not None:
+                c.finish_reason, c.stop_reason = "stop", matched
+                return True
         return False
 
     def _position_logprobs(self, lp: TokenLogprobs) -> PositionLogprobs:

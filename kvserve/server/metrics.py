@@ -46,6 +46,7 @@ class _EngineCollector(Collector):
         yield from _tier_metrics(s)
         yield from _transfer_metrics(s)
         yield from _blend_metrics(s)
+        yield from _spec_decode_metrics(s)
 
 
 _ENGINE_METRICS = (  # (EngineCore.stats() key, metric name, kind, help)
@@ -121,6 +122,28 @@ def _blend_metrics(s: dict[str, float | int]) -> Iterator[Metric]:
     for stat, name, doc in _BLEND_METRICS:
         if stat in s:
             yield CounterMetricFamily(f"{PREFIX}{name}", doc, value=s[stat])
+
+
+_SPEC_METRICS = (  # (stat, metric name, help), as vLLM names them
+    ("spec_decode_num_drafts", "spec_decode_num_drafts", "Verify steps of a request with drafted tokens."),
+    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Drafted tokens verified."),
+    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Drafted tokens accepted."),
+)
+
+
+def _spec_decode_metrics(s: dict[str, float | int]) -> Iterator[Metric]:
+    """Speculative decoding (--speculative-config), from the engine's proposer."""
+    if "spec_decode_num_drafts" not in s:
+        return
+    for stat, name, doc in _SPEC_METRICS:
+        yield CounterMetricFamily(f"{PREFIX}{name}", doc, value=s[stat])
+    fam = CounterMetricFamily(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos",
+                              "Drafted tokens accepted, by their position in the draft.", labels=["position"])
+    pos = 0
+    while f"spec_decode_num_accepted_tokens_pos_{pos}" in s:
+        fam.add_metric([str(pos)], float(s[f"spec_decode_num_accepted_tokens_pos_{pos}"]))
+        pos += 1
+    yield fam
 
 
 class ServerMetrics:

@@ -24,9 +24,10 @@ from kvserve.layers.linear import kv_head_range
 from kvserve.layers.moe import FusedMoE
 from kvserve.pooling_params import pooling_params
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.rejection import verify_greedy, verify_sampled
 from kvserve.worker import cuda_graphs
 from kvserve.worker.pooler import Pooler
-from kvserve.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from kvserve.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs, gather_logprobs
 
 # (token ids: actual/sampled first then the top-k, their logprobs, rank of the first)
 TokenLogprobs = tuple[list[int], list[float], int]
@@ -34,8 +35,10 @@ TokenLogprobs = tuple[list[int], list[float], int]
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Each sampling request's new tokens: one, or with drafts (speculative decoding) the accepted
+    # drafts and the token after them; and, where asked, each new token's logprobs.
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Prompt logprobs computed this step: (first position predicted, one entry per position).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     # Embedding requests whose prompt ended this step: their pooled vector.
@@ -269,11 +272,14 @@ class ModelRunner:
                 list(d.block_ids), d.num_computed_tokens, gen, Pooler(spec) if spec is not None else None)
         for c in so.cached_reqs:
             st = self.requests[c.req_id]
+            del st.block_ids[c.num_kept_blocks:]
             st.block_ids.extend(c.new_block_ids)
             st.num_computed_tokens = c.num_computed_tokens
             if c.new_token_ids:  # sampled on the output rank; the scheduler's copy is the truth
                 del st.token_ids[c.num_computed_tokens:]
                 st.token_ids.extend(c.new_token_ids)
+        for rid, drafts in so.draft_token_ids.items():  # fed after the last token; taken out once verified
+            self.requests[rid].token_ids.extend(drafts)
 
     def _make_generator(self, params: SamplingParams) -> torch.Generator | None:
         if params.seed is None or params.greedy:
@@ -295,9 +301,10 @@ class ModelRunner:
         return out
 
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        # Decodes (one query token) first: the attention backend batches them.
-        order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
-        meta, input_ids, positions = self._prepare(order, so.num_scheduled_tokens)
+        drafts = so.draft_token_ids
+        # Decodes (one query token, or a last token and its drafts) first: the attention backend batches them.
+        order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1 and r not in drafts)
+        meta, input_ids, positions, req_rows = self._prepare(order, so.num_scheduled_tokens, drafts)
         if self.graphs is not None and self.graphs.runs(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
@@ -305,52 +312,69 @@ class ModelRunner:
 
         out = ModelRunnerOutput()
         if hidden is not None and self.is_output_rank:
-            self._pool(order, so.num_scheduled_tokens, meta, hidden, out)
-        sample_ids, sample_rows, plp = self._rows_to_compute(order, so.num_scheduled_tokens, meta)
+            self._pool(order, so.num_scheduled_tokens, req_rows, hidden, out)
+        sample_ids, sample_rows, plp = self._rows_to_compute(order, so.num_scheduled_tokens, req_rows, drafts)
         rows = sample_rows + [r for _, rs, _ in plp for r in rs]
         if rows and hidden is not None:
             logits = self.model.compute_logits(hidden[self._to_device(torch.tensor(rows))])
             if self.is_output_rank:  # the logits' all-gather needed every tensor-parallel rank
-                self._sample(sample_ids, logits[:len(sample_rows)], out, so.grammar)
+                plain = [r for r in sample_ids if r not in drafts]
+                spec = [r for r in sample_ids if r in drafts]
+                n_plain = len(plain)
+                n_spec = sum(len(drafts[r]) + 1 for r in spec)
+                self._sample(plain, logits[:n_plain], out, so.grammar)
+                self._verify(spec, drafts, logits[n_plain:n_plain + n_spec], out)
                 self._prompt_logprobs(plp, logits[len(sample_rows):], out)
         self._advance(order, so.num_scheduled_tokens)
-        for rid, tok in out.sampled.items():
-            self.requests[rid].token_ids.append(tok)
+        for rid, toks in out.sampled.items():
+            st, k = self.requests[rid], len(drafts.get(rid, ()))
+            if k:  # the drafts give way to what verification kept; the rejected ones' K/V are stale
+                del st.token_ids[-k:]
+                st.num_computed_tokens -= k - (len(toks) - 1)
+            st.token_ids.extend(toks)
         return out
 
     def _advance(self, order: list[str], num_sched: dict[str, int]) -> None:
         for rid in order:
             self.requests[rid].num_computed_tokens += num_sched[rid]
 
-    def _prepare(self, order: list[str], num_sched: dict[str, int]):
+    def _prepare(self, order: list[str], num_sched: dict[str, int], drafts: dict[str, list[int]]):
+        """The step's flat batch: attention metadata, input ids, positions, and each request's
+        first row (and the end) [len(order) + 1]. A request verifying k drafts is k + 1 decode rows
+        of one sequence (each token's K/V is written before any row attends), so the decode
+        kernels and the C decode stack run it."""
         ids: list[int] = []
         pos: list[int] = []
         qsl = [0]
         seq_lens: list[int] = []
         tables: list[list[int]] = []
+        req_rows = [0]
         num_decodes = 0
         for rid in order:
             st, n = self.requests[rid], num_sched[rid]
             start = st.num_computed_tokens
             ids.extend(st.token_ids[start:start + n])
             pos.extend(range(start, start + n))
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(start + n)
-            tables.append(st.block_ids)
-            num_decodes += n == 1
+            rows = [1] * n if rid in drafts else [n]
+            for i, q in enumerate(rows):
+                qsl.append(qsl[-1] + q)
+                seq_lens.append(start + i + q)
+                tables.append(st.block_ids)
+                num_decodes += q == 1
+            req_rows.append(len(ids))
         width = max(len(t) for t in tables)
         table_t = torch.zeros((len(tables), width), dtype=torch.int64)
         for i, t in enumerate(tables):
             table_t[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
         pos_t = torch.tensor(pos, dtype=torch.int64)
-        req_idx = torch.repeat_interleave(torch.arange(len(order)), torch.tensor(qsl[1:]) - torch.tensor(qsl[:-1]))
+        req_idx = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(qsl[1:]) - torch.tensor(qsl[:-1]))
         slots = table_t[req_idx, pos_t // self.block_size] * self.block_size + pos_t % self.block_size
         meta = AttentionMetadata(
             num_decodes=num_decodes, query_start_loc=qsl, seq_lens=seq_lens,
             slot_mapping=self._to_device(slots), block_tables=self._to_device(table_t),
             seq_lens_tensor=self._to_device(torch.tensor(seq_lens, dtype=torch.int64)), block_size=self.block_size,
             query_start_tensor=self._to_device(torch.tensor(qsl, dtype=torch.int32)))
-        return meta, self._to_device(torch.tensor(ids, dtype=torch.int64)), self._to_device(pos_t)
+        return meta, self._to_device(torch.tensor(ids, dtype=torch.int64)), self._to_device(pos_t), req_rows
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor on the runner's device; to a GPU from pinned memory, without waiting."""
@@ -358,25 +382,32 @@ class ModelRunner:
             return t.to(self.device)
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    def _rows_to_compute(self, order, num_sched, meta: AttentionMetadata):
+    def _rows_to_compute(self, order, num_sched, req_rows: list[int], drafts: dict[str, list[int]]):
         """Hidden rows to turn into logits: each request that reaches its end samples from its
-        last row; requests asking for prompt logprobs also need their prompt rows."""
+        last row, the plain ones first, then those with k drafts from their last k + 1 rows;
+        requests asking for prompt logprobs also need their prompt rows."""
         sample_ids: list[str] = []
         sample_rows: list[int] = []
+        spec_rows: list[int] = []
         plp: list[tuple[str, list[int], list[int]]] = []  # (req, rows, target token ids)
         for i, rid in enumerate(order):
             st, n = self.requests[rid], num_sched[rid]
             start, end = st.num_computed_tokens, st.num_computed_tokens + n
             if end == len(st.token_ids) and st.pooler is None:
+                last = req_rows[i + 1] - 1
+                k = len(drafts.get(rid, ()))
+                if k:
+                    spec_rows.extend(range(last - k, last + 1))
+                else:
+                    sample_rows.append(last)
                 sample_ids.append(rid)
-                sample_rows.append(meta.query_start_loc[i + 1] - 1)
             if st.params.prompt_logprobs is not None and start < st.num_prompt_tokens - 1:
                 last = min(end, st.num_prompt_tokens - 1)  # position p predicts token p + 1
-                rows = list(range(meta.query_start_loc[i], meta.query_start_loc[i] + last - start))
+                rows = list(range(req_rows[i], req_rows[i] + last - start))
                 plp.append((rid, rows, st.token_ids[start + 1:last + 1]))
-        return sample_ids, sample_rows, plp
+        return sample_ids, sample_rows + spec_rows, plp
 
-    def _pool(self, order: list[str], num_sched: dict[str, int], meta: AttentionMetadata, hidden: torch.Tensor,
+    def _pool(self, order: list[str], num_sched: dict[str, int], req_rows: list[int], hidden: torch.Tensor,
               out: ModelRunnerOutput) -> None:
         """Embedding requests add this step's hidden rows to their pooler; one whose prompt ends
         here returns its vector."""
@@ -384,7 +415,7 @@ class ModelRunner:
             st = self.requests[rid]
             if st.pooler is None:
                 continue
-            st.pooler.add(hidden[meta.query_start_loc[i]:meta.query_start_loc[i + 1]])
+            st.pooler.add(hidden[req_rows[i]:req_rows[i + 1]])
             if st.num_computed_tokens + num_sched[rid] == len(st.token_ids):
                 out.pooled[rid] = st.pooler.result()
 
@@ -407,14 +438,55 @@ class ModelRunner:
         lp_ids = res.logprob_token_ids.tolist() if res.logprob_token_ids is not None else None
         ranks = res.sampled_ranks.tolist() if res.sampled_ranks is not None else None
         for i, (rid, st) in enumerate(zip(rids, states)):
-            out.sampled[rid] = sampled[i]
+            out.sampled[rid] = [sampled[i]]
             k = st.params.logprobs
             if k is not None and lp is not None:
-                out.logprobs[rid] = (lp_ids[i][:k + 1], lp[i][:k + 1], ranks[i])
+                out.logprobs[rid] = [(lp_ids[i][:k + 1], lp[i][:k + 1], ranks[i])]
 
-    def _banned(self, st: _ReqState) -> list[int]:
+    def _verify(self, rids: list[str], drafts: dict[str, list[int]], logits: torch.Tensor,
+                out: ModelRunnerOutput) -> None:
+        """Requests with k drafts: rows i = 0..k of logits are the target's distribution for the
+        token after draft[:i] (penalties and banned tokens over the history with draft[:i]);
+        verification (spec_decode/rejection.py) keeps a prefix of the drafts and samples the token
+        after it. A request with drafts is never constrained by a grammar (the proposer's rule)."""
+        if not rids:
+            return
+        params, prompts, outputs, banned = [], [], [], []
+        for rid in rids:
+            st, d = self.requests[rid], drafts[rid]
+            n_out = len(st.token_ids) - len(d) - st.num_prompt_tokens  # before the drafts
+            prompt = st.token_ids[:st.num_prompt_tokens] if st.params.uses_penalties else []
+            for i in range(len(d) + 1):
+                params.append(st.params)
+                prompts.append(prompt)
+                outputs.append(st.token_ids[st.num_prompt_tokens:st.num_prompt_tokens + n_out + i]
+                               if st.params.uses_penalties else [])
+                banned.append(self._banned(st, n_out + i))
+        meta = SamplingMetadata.build(params, prompts, outputs, {}, banned, self.vocab_size, self.device)
+        argmax, probs, raw = self.sampler.distributions(logits, meta)
+        argmax_l = argmax.tolist()
+        row = 0
+        for rid in rids:
+            st, d = self.requests[rid], drafts[rid]
+            n = len(d) + 1
+            if st.params.greedy:
+                toks = verify_greedy(argmax_l[row:row + n], d)
+            else:
+                toks = verify_sampled(probs[row:row + n], d, None, st.generator)
+            out.sampled[rid] = toks
+            k = st.params.logprobs
+            if k is not None and raw is not None:
+                vals, ids, ranks = gather_logprobs(raw[row:row + len(toks)], torch.tensor(toks, device=raw.device), k)
+                out.logprobs[rid] = list(zip(ids.tolist(), vals.tolist(), ranks.tolist()))
+            row += n
+
+    def _banned(self, st: _ReqState, num_output: int | None = None) -> list[int]:
+        """Tokens the request may not sample yet (EOS and stop tokens before min_tokens), at
+        num_output output tokens (default: as many as it holds)."""
         p = st.params
-        if len(st.token_ids) - st.num_prompt_tokens >= p.min_tokens:
+        if num_output is None:
+            num_output = len(st.token_ids) - st.num_prompt_tokens
+        if num_output >= p.min_tokens:
             return []
         eos = [] if p.ignore_eos or self.eos_token_id is None else [self.eos_token_id]
         return eos + list(p.stop_token_ids)

@@ -294,36 +294,47 @@ class Sampler:
     """logits [B, V] + SamplingMetadata -> sampled ids (+ raw logprobs when asked)."""
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        logits = logits.float()
-        if meta.token_bitmask is not None:  # before everything, logprobs included
-            logits = apply_token_bitmask(logits, meta.token_bitmask)
-        raw_logprobs = None
-        if meta.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-
-        work = apply_banned(logits.clone(), meta.banned_token_ids)
-        work = apply_penalties(work, meta)
-
+        raw_logprobs, work = self._prepare(logits, meta)
         if meta.all_greedy:
             sampled = work.argmax(dim=-1)
         elif meta.all_random:
-            sampled = self._sample_random(work, meta)
+            sampled = random_sample(self._probs(work, meta), meta.generators)
         else:
             is_greedy = meta.temperature.to(work.device) < _GREEDY_EPS
-            sampled = torch.where(is_greedy, work.argmax(dim=-1), self._sample_random(work, meta))
+            sampled = torch.where(is_greedy, work.argmax(dim=-1), random_sample(self._probs(work, meta), meta.generators))
 
         if raw_logprobs is None:
             return SamplerOutput(sampled, None, None, None)
         values, ids, ranks = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
         return SamplerOutput(sampled, values, ids, ranks)
 
+    def distributions(self, logits: torch.Tensor, meta: SamplingMetadata
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """What verifying drafted tokens needs of each row (kvserve/spec_decode/rejection.py): its
+        greedy pick (argmax after banned tokens and penalties) [B], the distribution a sampling row
+        draws from (after temperature, top-k, top-p, min-p) [B, V] (None when every row is greedy),
+        and the raw logprobs [B, V] when logprobs are asked."""
+        raw_logprobs, work = self._prepare(logits, meta)
+        return work.argmax(dim=-1), None if meta.all_greedy else self._probs(work, meta), raw_logprobs
+
     @staticmethod
-    def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    def _prepare(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(raw logprobs or None, the logits after banned tokens and penalties)."""
+        logits = logits.float()
+        if meta.token_bitmask is not None:  # before everything, logprobs included
+            logits = apply_token_bitmask(logits, meta.token_bitmask)
+        raw_logprobs = None
+        if meta.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        work = apply_banned(logits.clone(), meta.banned_token_ids)
+        return raw_logprobs, apply_penalties(work, meta)
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         temp = meta.temperature.to(device=logits.device, dtype=logits.dtype)
         # Greedy rows are overwritten later; divide them by 1 instead of 0.
         temp = torch.where(temp < _GREEDY_EPS, torch.ones_like(temp), temp)
         logits = logits / temp.unsqueeze(1)
         logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
         logits = apply_min_p(logits, meta.min_p)
-        probs = logits.softmax(dim=-1)
-        return random_sample(probs, meta.generators)
+        return logits.softmax(dim=-1)

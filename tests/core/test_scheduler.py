@@ -38,7 +38,7 @@ def step(s: Scheduler) -> SchedulerOutput:
     for rid in out.num_scheduled_tokens:
         r = s.requests[rid]
         if r.num_computed_tokens == r.num_tokens:  # reached its end: the model samples
-            sampled[rid] = fake_token(r.all_token_ids)
+            sampled[rid] = [fake_token(r.all_token_ids)]
     s.update(out, sampled)
     s.kv.check_integrity(s.block_holders())
     return out

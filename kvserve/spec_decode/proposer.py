@@ -1,0 +1,88 @@
+"""The engine's side of speculative decoding: which requests draft this step, their drafts, and
+what verification kept (the counters behind the spec_decode metrics).
+
+The scheduler asks `propose(request, num_decodes)` for each running request about to decode; the
+drafts go into the step as `SchedulerOutput.draft_token_ids` and the request is scheduled for
+1 + k query tokens. The runner verifies them (rejection.py) and returns the tokens it emits; the
+scheduler rolls `num_computed_tokens` back over the rejected drafts. Drafts never enter the
+request's token list, so the prefix cache and the KV manager only ever register blocks of
+accepted tokens.
+
+A request does not draft when its output is constrained by a grammar (the drafts would have to
+walk the matcher), when it is an embedding request, or within one token of its limit.
+"""
+
+from __future__ import annotations
+
+from kvserve.config import SpeculativeConfig
+from kvserve.pooling_params import pooling_params
+from kvserve.request import Request
+from kvserve.spec_decode.adaptive import AdaptiveK
+from kvserve.spec_decode.ngram import propose_ngram
+
+
+class SpecDecodeProposer:
+    def __init__(self, cfg: SpeculativeConfig, max_model_len: int) -> None:
+        self.cfg = cfg
+        self.max_model_len = max_model_len
+        self.k_max = cfg.num_speculative_tokens
+        self.adaptive = AdaptiveK(self.k_max, max_batch=cfg.disable_by_batch_size) if cfg.adaptive else None
+        # vLLM's counters: verify steps with drafts, drafted tokens, accepted ones, accepted per position.
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * self.k_max
+        self._one_row_s: float | None = None  # EMA of a single stream's plain decode step
+
+    def observe_step(self, num_rows: int, drafted: bool, seconds: float) -> None:
+        """A single stream's decode step of num_rows rows (1, or a last token and its drafts) took
+        `seconds`: the adaptive rule's price of one more query token (cost_per_token, as a share
+        of a plain step) is measured from these, as an exponential moving average. The price is
+        the model's and the machine's: ~0.05 where decode is memory-bound, up to ~0.6 on a small
+        model whose kernels are compute-bound (BENCHMARKS.md)."""
+        if num_rows == 1 and not drafted:
+            self._one_row_s = seconds if self._one_row_s is None else 0.9 * self._one_row_s + 0.1 * seconds
+        elif drafted and num_rows > 1 and self._one_row_s and self.adaptive is not None:
+            price = max(0.0, (seconds / self._one_row_s - 1.0) / (num_rows - 1))
+            self.adaptive.cost_per_token = 0.8 * self.adaptive.cost_per_token + 0.2 * min(price, 2.0)
+
+    def propose(self, req: Request, num_decodes: int) -> list[int]:
+        """Up to k drafted tokens for `req`'s next step ([]: decode one token as usual)."""
+        p = req.sampling_params
+        if p.structured_outputs is not None or pooling_params(p) is not None:
+            return []
+        # Room left: the last token's step emits at most k + 1, all within the request's limits.
+        room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+        if room <= 0:
+            return []
+        if self.adaptive is not None:
+            k = self.adaptive.num_drafts(req.request_id, num_decodes)
+        else:
+            k = 0 if num_decodes >= self.cfg.disable_by_batch_size else self.k_max
+        k = min(k, room)
+        if k <= 0:
+            return []
+        return propose_ngram(req.all_token_ids, k, self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max)
+
+    def observe(self, request_id: str, drafted: int, accepted: int) -> None:
+        """A verify step kept `accepted` of a request's `drafted` tokens."""
+        if drafted <= 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+        if self.adaptive is not None:
+            self.adaptive.observe(request_id, drafted, accepted)
+
+    def forget(self, request_id: str) -> None:
+        if self.adaptive is not None:
+            self.adaptive.forget(request_id)
+
+    def stats(self) -> dict[str, int]:
+        out = {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
+               "spec_decode_num_accepted_tokens": self.num_accepted_tokens}
+        for i, n in enumerate(self.accepted_per_pos):
+            out[f"spec_decode_num_accepted_tokens_pos_{i}"] = n
+        return out

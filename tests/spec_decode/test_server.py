@@ -1,0 +1,42 @@
+"""`kvserve serve --speculative-config`: completions equal a plain server's, streamed or not, and the
+spec_decode metrics count the drafts."""
+
+from __future__ import annotations
+
+import json
+
+from tests.serving import MODEL, TINY_SERVER_ARGS, http_request, metric_values, open_stream, running_server, sse_events
+
+SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [40, 41, 42, 43, 40, 41, 42], [100, 3, 17, 100, 3]]
+
+
+def _texts(base: str, stream: bool) -> list[str]:
+    out = []
+    for p in PROMPTS:
+        body = {"model": MODEL, "prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        if not stream:
+            status, raw, _ = http_request("POST", f"{base}/v1/completions", body, timeout=60)
+            assert status == 200, raw
+            out.append(json.loads(raw)["choices"][0]["text"])
+            continue
+        conn, resp = open_stream(base, "/v1/completions", {**body, "stream": True})
+        try:
+            assert resp.status == 200
+            out.append("".join(e["choices"][0]["text"] for e in sse_events(resp) if e != "[DONE]" and e["choices"]))
+        finally:
+            conn.close()
+    return out
+
+
+def test_speculating_server_answers_as_a_plain_one(tiny_model_factory, tmp_path):
+    model = str(tiny_model_factory("llama"))
+    with running_server([model, *TINY_SERVER_ARGS], tmp_path / "plain.log") as srv:
+        want = _texts(srv.base, stream=False)
+    with running_server([model, *TINY_SERVER_ARGS, "--speculative-config", SPEC], tmp_path / "spec.log") as srv:
+        assert _texts(srv.base, stream=False) == want
+        assert _texts(srv.base, stream=True) == want
+        m = metric_values(srv.base)
+        assert m["kvserve:spec_decode_num_drafts_total"] > 0
+        assert 0 < m["kvserve:spec_decode_num_accepted_tokens_total"] <= m["kvserve:spec_decode_num_draft_tokens_total"]
+        assert m['kvserve:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
