@@ -190,7 +190,8 @@ class TierManager(KVConnector):
             req = requests[rid]
             # Blocks the request found cached were computed (and sent) before.
             done = self._written.setdefault(rid, max(req.num_cached_tokens, 0) // self.block_size)
-            full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+            # Known tokens only: with speculative decoding num_computed_tokens also counts drafts.
+            full = min(min(req.num_computed_tokens, req.num_tokens) // self.block_size, len(req.block_ids))
             hashes = compute_block_hashes(req, full, self.block_size)
             for i in range(done, full):
                 todo.append(EvictedBlock(req.block_ids[i], hashes[i], hashes[i - 1] if i else b"",

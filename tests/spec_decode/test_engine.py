@@ -179,3 +179,22 @@ def test_speculative_config_is_checked_by_name():
             EngineConfig.from_kwargs(speculative_config=bad)
     cfg = EngineConfig.from_kwargs(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}').speculative
     assert (cfg.method, cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == ("ngram", 3, 2, 5)
+
+
+def test_greedy_equal_with_kv_tiers(tiny_model_factory, tmp_path):
+    """Evicted blocks go to host RAM and disk and come back: only blocks of accepted tokens are
+    ever written there (drafts' K/V never are), so outputs equal a plain run's."""
+    model = tiny_model_factory("llama")
+    prompts = _prompts(8)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    runs = []
+    for i, spec in enumerate((None, NGRAM)):
+        llm = _llm(model, spec, num_kv_blocks=48, max_num_seqs=4, kv_offload_cpu="1MiB",
+                   kv_offload_disk=str(tmp_path / f"disk{i}"))
+        try:
+            runs.append(_tokens(llm.generate(prompts, params, use_tqdm=False)))
+            runs.append(_tokens(llm.generate(prompts, params, use_tqdm=False)))  # again: loads from the tiers
+            assert llm.engine.kv.num_used_blocks == 0
+        finally:
+            llm.close()
+    assert runs[0] == runs[1] == runs[2] == runs[3]
