@@ -149,12 +149,16 @@ class KVCacheManager:
             self.cache.acquire(became_used)
 
     def free(self, request: Request) -> None:
-        # Tail first: the cache queues released blocks in this order, so the LRU
-        # evicts a chain's tail before its head.
-        released = [b for b in reversed(request.block_ids) if self.pool.decref(b) == 0]
-        request.block_ids = []
+        blocks, request.block_ids = request.block_ids, []
         if self.cache is not None:
             self.cache.forget(request)
+        self._release(blocks)
+
+    def _release(self, block_ids: list[int]) -> None:
+        """Drop a reference to each block. Tail first: the cache queues released blocks in this
+        order, so the LRU evicts a chain's tail before its head."""
+        released = [b for b in reversed(block_ids) if self.pool.decref(b) == 0]
+        if self.cache is not None:
             released = self.cache.release(released)
         self.pool.push_free(released)
 
@@ -171,13 +175,8 @@ class KVCacheManager:
         request, so the prefix cache never registered them."""
         keep = _cdiv(num_tokens, self.block_size)
         tail = request.block_ids[keep:]
-        if not tail:
-            return
         del request.block_ids[keep:]
-        released = [b for b in reversed(tail) if self.pool.decref(b) == 0]
-        if self.cache is not None:
-            released = self.cache.release(released)
-        self.pool.push_free(released)
+        self._release(tail)
 
     def fork(self, src: Request, dst: Request, num_tokens: int) -> None:
         """dst shares src's first num_tokens // block_size blocks (all full ones).

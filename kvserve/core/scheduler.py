@@ -148,7 +148,7 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Serve running requests in order; num_computed_tokens advances as they are scheduled
         (over drafted tokens too: update() rolls it back over the rejected ones)."""
-        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1) if self.propose else 0
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
