@@ -50,7 +50,7 @@ KV_TRANSPORTS = ("auto", "zmq", "shm")  # disagg/transport.py; auto: shm when th
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 # Weight quantization methods (quant/methods.py loads each; quant/base.py's METHODS is this list),
 # listed here so that checking a config imports no torch.
-QUANTIZATION_METHODS = ("awq", "gptq", "int8", "fp8", "gguf")
+QUANTIZATION_METHODS = ("awq", "gptq", "int4", "int8", "fp8", "gguf")
 
 
 def triton_interpreting() -> bool:
@@ -217,15 +217,21 @@ class BlendConfig:
 
 
 # --speculative-config's methods (kvserve/spec_decode/); the keys of its JSON, as vLLM spells them.
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model", "self_quantized")
+SELF_QUANTIZED_DRAFTS = ("int4", "int8", "gguf")  # self_quantized's "quantization": the draft's weights
 _SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                     "disable_by_batch_size", "adaptive")
+                     "disable_by_batch_size", "adaptive", "model", "quantization")
+_METHOD_KEYS = {"ngram": ("prompt_lookup_min", "prompt_lookup_max"), "draft_model": ("model", "quantization"),
+                "self_quantized": ("quantization",)}
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (kvserve/spec_decode/), from --speculative-config's JSON as vLLM spells it:
-    {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}.
+    {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b};
+    {"method": "draft_model", "model": PATH, "num_speculative_tokens": k} (a smaller model with the
+    target's tokenizer; "quantization" loads it as --quantization would); {"method": "self_quantized", "quantization": "int4"|"int8"|"gguf",
+    "num_speculative_tokens": k} (the target's own weights quantized at load draft for it).
     kvserve's keys: "adaptive" (default true: k per request from its acceptance rate, 0 when drafts do
     not pay) and "disable_by_batch_size" (vLLM's: nobody drafts while this many requests decode;
     default 16). None: off."""
@@ -243,7 +249,16 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unknown key {unknown[0]!r}; known: {', '.join(_SPECULATIVE_KEYS)}")
         if cfg.get("method") not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
-                             f"{cfg.get('method')!r} (draft_model and self_quantized are not built yet)")
+                             f"{cfg.get('method')!r}")
+        for key in (k for keys in _METHOD_KEYS.values() for k in keys if k not in _METHOD_KEYS[cfg["method"]]):
+            if key in cfg:
+                raise ValueError(f"speculative_config.{key} does not apply to method {cfg['method']!r}")
+        if cfg["method"] == "draft_model" and (not isinstance(cfg.get("model"), str) or not cfg["model"]):
+            raise ValueError("speculative_config.model (the draft model's path) is required for method draft_model")
+        if cfg["method"] == "self_quantized":
+            check_choice("speculative_config.quantization", self.quantization, SELF_QUANTIZED_DRAFTS)
+        elif cfg["method"] == "draft_model" and self.quantization is not None:
+            check_choice("speculative_config.quantization", self.quantization, (*QUANTIZATION_METHODS, "none"))
         if "num_speculative_tokens" not in cfg:
             raise ValueError("speculative_config.num_speculative_tokens is required")
         check_int("speculative_config.num_speculative_tokens", cfg["num_speculative_tokens"], 1)
@@ -282,6 +297,22 @@ class SpeculativeConfig:
     @property
     def adaptive(self) -> bool:
         return (self.config or {}).get("adaptive", True)
+
+    @property
+    def model(self) -> str | None:
+        """draft_model: the draft's path."""
+        return (self.config or {}).get("model")
+
+    @property
+    def quantization(self) -> str | None:
+        """How the draft's weights load: self_quantized's copy of the target's (default int4), or
+        a draft_model's --quantization (default: as its checkpoint says)."""
+        return (self.config or {}).get("quantization", "int4" if self.method == "self_quantized" else None)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """A second model drafts, on the ranks (draft_model, self_quantized); ngram drafts in the engine."""
+        return self.method in ("draft_model", "self_quantized")
 
 
 def check_recompute_ratio(name: str, value: object) -> None:

@@ -73,6 +73,7 @@ class EngineCore:
         # The KV pool is allocated as the ranks start, so it is sized before they load the weights,
         # from the checkpoint's estimate of them (checked against the loaded size below).
         self.weight_estimate: int | None = None
+        _ = self.draft_hf_config  # a draft model's path and vocabulary are checked before the ranks start
         num_blocks = self._num_blocks(cache_config, ckpt)
         calibration = self._kv_calibration_ids() if cache_config.kv_cache_dtype == "fp8" else None
         self.eos_token_id = self._eos_token_id()
@@ -125,7 +126,27 @@ class EngineCore:
         if config.parallel.pipeline_parallel_size > 1:
             raise ValueError("speculative_config: speculative decoding with pipeline_parallel_size > 1 is not "
                              "supported yet")
-        return SpecDecodeProposer(config.speculative, self.max_model_len)
+        spec = config.speculative
+        if spec.uses_draft_model and config.parallel.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config.method {spec.method}: a draft model runs on one rank; "
+                             "tensor_parallel_size > 1 is not supported with it yet")
+        return SpecDecodeProposer(spec, self.max_model_len)
+
+    @functools.cached_property
+    def draft_hf_config(self):
+        """speculative_config method draft_model: the draft's config, checked against the target's
+        (its own KV tensors take a share of each block's memory); None for other methods."""
+        spec = self.config.speculative
+        if spec.method != "draft_model":
+            return None
+        try:
+            draft = open_checkpoint(spec.model).config
+        except (ValueError, OSError) as e:
+            raise ValueError(f"speculative_config.model: {e}") from e
+        if draft.vocab_size != self.hf_config.vocab_size:
+            raise ValueError(f"speculative_config.model: the draft's vocabulary has {draft.vocab_size} tokens, the "
+                             f"target's {self.hf_config.vocab_size}; a draft model must share the target's tokenizer")
+        return draft
 
     def _max_model_len(self, requested: int | None) -> int:
         limit = getattr(self.hf_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
@@ -142,6 +163,8 @@ class EngineCore:
         par = self.config.parallel
         layers = -(-self.hf_config.num_hidden_layers // par.pipeline_parallel_size)  # the largest stage
         block = kv_bytes_per_block(self.hf_config, cache.block_size, self.kv_dtype, par.tensor_parallel_size, layers)
+        if self.draft_hf_config is not None:  # a draft model's own K/V under the same block ids
+            block += kv_bytes_per_block(self.draft_hf_config, cache.block_size, self.dtype)
         pool, self.weight_estimate = defaults.engine_kv_pool(self.config, self.hf_config, ckpt, self.dtype,
                                                              self.max_model_len, block)
         n = pool.bytes // block

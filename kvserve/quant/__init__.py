@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from kvserve.layers.linear import ParallelLinear
-from kvserve.quant.base import Fp8Weight, QuantizedWeight, QuantMethod, cat_rows, check_method, linear_prefix
+from kvserve.quant.base import (Fp8Weight, QuantizedWeight, QuantMethod, cat_rows, check_method, linear_prefix,
+                                quantize_rtn)
 from kvserve.quant.gguf import GGUFMethod, KQuantWeight, settle_parts
 from kvserve.quant.linear import Fp8Linear, Int4Linear, Int8Linear, quantized_linear
 from kvserve.quant.methods import load_time_method, method_from_config, pack_fp8, pack_int8, quant_config
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 GGUF_DEFAULT = "gguf"
 
 __all__ = ["GGUF_DEFAULT", "Fp8Linear", "Int4Linear", "Int8Linear", "LinearInstaller", "LoadPlan", "gguf_plan",
-           "hf_plan", "pack_fp8", "pack_int8", "quant_config", "quantized_linear"]
+           "hf_plan", "pack_fp8", "pack_int8", "quant_config", "quantize_lm_head", "quantized_linear"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,22 @@ def gguf_plan(quantization: str | None) -> LoadPlan | None:
     if name in ("awq", "gptq"):
         raise ValueError(_quantize_hint(name))
     return LoadPlan(load_time_method(name))  # int8 / fp8: dequantize, then quantize at load
+
+
+def quantize_lm_head(net: nn.Module, method: str, dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Round the LM head's table as `method` (int4: groups of 32; int8: per channel) rounds the
+    decoder linears at load, and run it through that kernel. The head is read in full every decode
+    step (on a 135M model, a quarter of the float weights): a draft model that should cost a
+    fraction of its target (spec_decode's self_quantized) cannot keep it in float. Embedding
+    lookups keep the float table. False where it does not apply (already compressed, tensor
+    parallel, no head on this stage)."""
+    head = getattr(net, "lm_head", None)
+    if head is None or head.kernel is not None or head.weight is None or head.tp.size != 1:
+        return False
+    w = head.weight.detach()
+    qw = quantize_rtn(w, 4, 32) if method == "int4" else quantize_rtn(w, 8, None)
+    head.set_kernel(quantized_linear(qw, None, dtype, device))
+    return True
 
 
 class _PendingLinear(nn.Module):

@@ -3,7 +3,8 @@ what verification kept (the counters behind the spec_decode metrics).
 
 The scheduler asks `propose(request, num_decodes)` for each running request about to decode; the
 drafts go into the step as `SchedulerOutput.draft_token_ids` and the request is scheduled for
-1 + k query tokens. The runner verifies them (rejection.py) and returns the tokens it emits; the
+1 + k query tokens. N-gram drafts are looked up here; a draft model's are placeholders that the
+ranks' drafter fills before the target's forward (draft_model.py). The runner verifies them (rejection.py) and returns the tokens it emits; the
 scheduler rolls `num_computed_tokens` back over the rejected drafts. Drafts never enter the
 request's token list, so the prefix cache and the KV manager only ever register blocks of
 accepted tokens.
@@ -18,6 +19,7 @@ from kvserve.config import SpeculativeConfig
 from kvserve.pooling_params import pooling_params
 from kvserve.request import Request
 from kvserve.spec_decode.adaptive import AdaptiveK
+from kvserve.spec_decode.draft_model import PLACEHOLDER
 from kvserve.spec_decode.ngram import propose_ngram
 
 
@@ -62,6 +64,8 @@ class SpecDecodeProposer:
         k = min(k, room)
         if k <= 0:
             return []
+        if self.cfg.uses_draft_model:  # the ranks' draft model fills them (draft_model.py)
+            return [PLACEHOLDER] * k
         return propose_ngram(req.all_token_ids, k, self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max)
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:

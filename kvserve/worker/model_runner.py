@@ -135,15 +135,10 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.dtype = dtype
         self.kv_dtype = kv_dtype_of(kv_cache_dtype, dtype)
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        kv_heads = (getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
-        head_start, head_end = kv_head_range(kv_heads, self.parallel.tp)
-        shape = (num_blocks, block_size, head_end - head_start, head_dim)
         start, end = self.parallel.layer_range(hf_config.num_hidden_layers)
         # The model's decoder layers, and those of this pipeline stage [start, end) (kv_caches[i - start]).
         self.num_layers, self.layer_range = hf_config.num_hidden_layers, (start, end)
-        self.kv_caches = [(_zeroed_pool(shape, self.kv_dtype, self.device), _zeroed_pool(shape, self.kv_dtype, self.device))
-                          for _ in range(start, end)]
+        self.kv_caches = self.new_kv_caches(hf_config, self.kv_dtype)
         # fp8: (k_scale, v_scale) of each Attention layer in model order; the layers hold them too.
         self.decode_stack = None  # built below, once the fp8 KV scales are calibrated
         self.kv_scales: torch.Tensor | None = None
@@ -157,6 +152,20 @@ class ModelRunner:
         self.requests: dict[str, _ReqState] = {}
         self.eos_token_id: int | None = None
         self.graphs: cuda_graphs.DecodeGraphs | None = None  # enable_cuda_graphs
+        # Speculative decoding with a draft model (spec_decode/draft_model.py; the Worker sets it):
+        # fills the step's placeholder drafts before the target's forward.
+        self.drafter = None
+
+    def new_kv_caches(self, hf_config, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroed K and V tensors of this rank's layers and KV heads of a model with hf_config, one
+        block per block id of this runner (the target's cache, or a draft model's own)."""
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        kv_heads = (getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
+        head_start, head_end = kv_head_range(kv_heads, self.parallel.tp)
+        shape = (self.num_blocks, self.block_size, head_end - head_start, head_dim)
+        start, end = self.parallel.layer_range(hf_config.num_hidden_layers)
+        return [(_zeroed_pool(shape, dtype, self.device), _zeroed_pool(shape, dtype, self.device))
+                for _ in range(start, end)]
 
     @torch.inference_mode()
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> bool:
@@ -304,6 +313,8 @@ class ModelRunner:
         drafts = so.draft_token_ids
         # Decodes (one query token, or a last token and its drafts) first: the attention backend batches them.
         order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1 and r not in drafts)
+        # A draft model fills the drafts' placeholders (and keeps its own K/V up with the step).
+        draft_probs = self.drafter.draft(self, so, order) if self.drafter is not None else {}
         meta, input_ids, positions, req_rows = self._prepare(order, so.num_scheduled_tokens, drafts)
         if self.graphs is not None and self.graphs.runs(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
@@ -323,7 +334,7 @@ class ModelRunner:
                 n_plain = len(plain)
                 n_spec = sum(len(drafts[r]) + 1 for r in spec)
                 self._sample(plain, logits[:n_plain], out, so.grammar)
-                self._verify(spec, drafts, logits[n_plain:n_plain + n_spec], out)
+                self._verify(spec, drafts, draft_probs, logits[n_plain:n_plain + n_spec], out)
                 self._prompt_logprobs(plp, logits[len(sample_rows):], out)
         self._advance(order, so.num_scheduled_tokens)
         for rid, toks in out.sampled.items():
@@ -338,11 +349,13 @@ class ModelRunner:
         for rid in order:
             self.requests[rid].num_computed_tokens += num_sched[rid]
 
-    def _prepare(self, order: list[str], num_sched: dict[str, int], drafts: dict[str, list[int]]):
+    def _prepare(self, order: list[str], num_sched: dict[str, int], drafts: dict[str, list[int]],
+                 starts: dict[str, int] | None = None):
         """The step's flat batch: attention metadata, input ids, positions, and each request's
         first row (and the end) [len(order) + 1]. A request verifying k drafts is k + 1 decode rows
         of one sequence (each token's K/V is written before any row attends), so the decode
-        kernels and the C decode stack run it."""
+        kernels and the C decode stack run it. starts: the first position fed per request
+        (default its num_computed_tokens; a draft model feeds its own)."""
         ids: list[int] = []
         pos: list[int] = []
         qsl = [0]
@@ -352,7 +365,7 @@ class ModelRunner:
         num_decodes = 0
         for rid in order:
             st, n = self.requests[rid], num_sched[rid]
-            start = st.num_computed_tokens
+            start = st.num_computed_tokens if starts is None else starts[rid]
             ids.extend(st.token_ids[start:start + n])
             pos.extend(range(start, start + n))
             rows = [1] * n if rid in drafts else [n]
@@ -443,12 +456,14 @@ class ModelRunner:
             if k is not None and lp is not None:
                 out.logprobs[rid] = [(lp_ids[i][:k + 1], lp[i][:k + 1], ranks[i])]
 
-    def _verify(self, rids: list[str], drafts: dict[str, list[int]], logits: torch.Tensor,
-                out: ModelRunnerOutput) -> None:
+    def _verify(self, rids: list[str], drafts: dict[str, list[int]], draft_probs: dict[str, torch.Tensor | None],
+                logits: torch.Tensor, out: ModelRunnerOutput) -> None:
         """Requests with k drafts: rows i = 0..k of logits are the target's distribution for the
         token after draft[:i] (penalties and banned tokens over the history with draft[:i]);
         verification (spec_decode/rejection.py) keeps a prefix of the drafts and samples the token
-        after it. A request with drafts is never constrained by a grammar (the proposer's rule)."""
+        after it. draft_probs: a draft model's distributions [k, V] per sampled request (absent:
+        the drafts were fixed proposals). A request with drafts is never constrained by a grammar
+        (the proposer's rule)."""
         if not rids:
             return
         params, prompts, outputs, banned = [], [], [], []
@@ -472,13 +487,24 @@ class ModelRunner:
             if st.params.greedy:
                 toks = verify_greedy(argmax_l[row:row + n], d)
             else:
-                toks = verify_sampled(probs[row:row + n], d, None, st.generator)
+                toks = verify_sampled(probs[row:row + n], d, draft_probs.get(rid), st.generator)
             out.sampled[rid] = toks
             k = st.params.logprobs
             if k is not None and raw is not None:
                 vals, ids, ranks = gather_logprobs(raw[row:row + len(toks)], torch.tensor(toks, device=raw.device), k)
                 out.logprobs[rid] = list(zip(ids.tolist(), vals.tolist(), ranks.tolist()))
             row += n
+
+    def distributions(self, rids: list[str], logits: torch.Tensor, banned: list[list[int]]
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's greedy pick and the distribution its request samples from (temperature,
+        top-k, top-p, min-p; no penalties), for rows of other logits than the model's: a draft
+        model's (spec_decode/draft_model.py). None for the distributions when every row is greedy."""
+        params = [self.requests[r].params for r in rids]
+        meta = SamplingMetadata.build(params, [[]] * len(rids), [[]] * len(rids), {}, banned, logits.shape[-1],
+                                      logits.device)
+        argmax, probs, _ = self.sampler.distributions(logits, meta)
+        return argmax, probs
 
     def _banned(self, st: _ReqState, num_output: int | None = None) -> list[int]:
         """Tokens the request may not sample yet (EOS and stop tokens before min_tokens), at

@@ -13,12 +13,16 @@ from typing import Any
 
 import torch
 
+from kvserve.attention import Attention, set_attention_backend
 from kvserve.config import EngineConfig
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.distributed.parallel import Parallel, init_distributed
 from kvserve.models.loader import load_model
+from kvserve.quant import quantize_lm_head
 from kvserve.kernels import tuning
+from kvserve.spec_decode.draft_model import ModelDrafter
 from kvserve.worker.kv_connectors import build_worker_roles
+from kvserve.worker.decode_stack import DecodeStack
 from kvserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -60,6 +64,8 @@ class Worker:
                                   config.cache.block_size, config.device, config.cache.kv_cache_dtype,
                                   kv_calibration_ids, parallel, m.attention_backend)
         self.runner.eos_token_id = eos_token_id
+        if config.speculative.uses_draft_model:
+            self.runner.drafter = self._drafter(config, parallel)
         self.runner.connector_roles = build_worker_roles(config, self.runner)
         if (self.runner.device.type == "cuda" and self.runner.attention_backend.name == "triton"
                 and parallel.is_single and not m.enforce_eager):
@@ -67,6 +73,45 @@ class Worker:
                 raise ValueError("CUDA graphs size their block tables by max_model_len: the engine resolves it "
                                  "before it starts the ranks (EngineCore)")
             self.runner.enable_cuda_graphs(config.scheduler.max_num_seqs, m.max_model_len)
+
+    def _drafter(self, config: EngineConfig, parallel: Parallel) -> ModelDrafter:
+        """The draft model of speculative decoding (spec_decode/draft_model.py): a smaller model
+        with its own KV tensors under the target's block ids (draft_model), or the target's weights
+        quantized at load sharing the target's KV cache (self_quantized)."""
+        spec, m, runner = config.speculative, config.model, self.runner
+        if not parallel.is_single:
+            raise ValueError(f"speculative_config.method {spec.method}: a draft model runs on one rank; tensor and "
+                             "pipeline parallelism are not supported with it yet")
+        if spec.method == "draft_model":
+            path, quantization, field = spec.model, spec.quantization, "speculative_config.model"
+        else:
+            path, quantization, field = m.model, spec.quantization, "speculative_config.quantization"
+            if quantization == "gguf" and self.loaded.quantization == "gguf":
+                raise ValueError("speculative_config.quantization gguf: the target already runs the GGUF file's "
+                                 "quantized weights; load the target dequantized (--quantization none) for a "
+                                 "float target with the file's own weights as its draft")
+        try:
+            draft = load_model(path, m.dtype, config.device, quantization, parallel)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"{field}: {e}") from e
+        if draft.hf_config.vocab_size != self.loaded.hf_config.vocab_size:
+            raise ValueError(f"{field}: the draft's vocabulary has {draft.hf_config.vocab_size} tokens, the target's "
+                             f"{self.loaded.hf_config.vocab_size}; a draft model must share the target's tokenizer")
+        if quantization in ("int4", "int8"):  # rounded at load: the LM head too, or it costs the draft most
+            quantize_lm_head(draft.model, quantization, draft.dtype, config.device)
+        tuning.tune_linears(draft.model, draft.dtype)
+        set_attention_backend(draft.model, runner.attention_backend)
+        shares_kv = spec.method == "self_quantized"
+        if shares_kv:
+            caches = runner.kv_caches
+            targets = [a for a in self.loaded.model.modules() if isinstance(a, Attention)]
+            for a, t in zip((a for a in draft.model.modules() if isinstance(a, Attention)), targets):
+                a.k_scale, a.v_scale = t.k_scale, t.v_scale  # fp8 KV: the target's calibrated scales
+        else:
+            caches = runner.new_kv_caches(draft.hf_config, draft.dtype)
+        stack = DecodeStack.build(draft.model, draft.dtype, runner.attention_backend.name, runner.device)
+        logger.info("speculative decoding: %s drafts (%s, %s)", spec.method, draft.model_path, draft.quantization)
+        return ModelDrafter(draft.model, caches, stack, shares_kv)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's output on the output rank (last stage, first tensor-parallel rank); None elsewhere."""

@@ -48,7 +48,9 @@ def default_reference():
     return _run(TEXT, dtype="float32", quantization="none", kv_cache_memory="64MiB")
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+# TP alone and PP alone are checked on the tiny models of every architecture below; on the default
+# model, the one layout that runs both at once (four ranks).
+@pytest.mark.parametrize("tp,pp", [(2, 2)])
 def test_default_model_tp_pp_match_one_rank(default_reference, tp, pp):
     outs = _run(TEXT, dtype="float32", quantization="none", kv_cache_memory="64MiB",
                 tensor_parallel_size=tp, pipeline_parallel_size=pp)

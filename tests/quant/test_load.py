@@ -12,13 +12,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kvserve.models import load_model
-from kvserve.quant import Fp8Linear, Int8Linear, pack_fp8, pack_int8, quant_config
+from kvserve.quant import Fp8Linear, Int4Linear, Int8Linear, pack_fp8, pack_int8, quant_config
 from kvserve.quant.base import linear_prefix, quantize_fp8, quantize_rtn
 from tests.conftest import make_tokenizer, tiny_config
 from tests.models.conftest import PagedRunner, kernel_type, randomize_
 
 TOKENS = [5, 17, 42, 99, 7, 250, 3, 64, 128, 11]
-QUANTIZE = {"int8": lambda w: quantize_rtn(w, 8, None), "fp8": quantize_fp8}
+QUANTIZE = {"int8": lambda w: quantize_rtn(w, 8, None), "fp8": quantize_fp8, "int4": lambda w: quantize_rtn(w, 4, 32)}
 PACK = {"int8": pack_int8, "fp8": pack_fp8}
 
 
@@ -73,11 +73,11 @@ def _linears(lm) -> list[nn.Module]:
             (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
 
 
-@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("method", ["int4", "int8", "fp8"])
 def test_quantize_at_load_matches_dequantized_reference(float_ckpt, method):
     path, hf = float_ckpt
     lm = load_model(str(path), dtype="float32", quantization=method)
-    kernel = Int8Linear if method == "int8" else Fp8Linear
+    kernel = {"int4": Int4Linear, "int8": Int8Linear, "fp8": Fp8Linear}[method]
     assert all(kernel_type(m) is kernel for m in _linears(lm))
     assert lm.model.lm_head.weight.dtype == torch.float32  # the LM head stays in --dtype
     ours = _our_logits(lm)
@@ -238,3 +238,21 @@ def test_symmetric_int8_checkpoint_without_zero_points(float_ckpt, tmp_path):
     asym = _save(hf, tmp_path / "asym", state, quant_config("int8"))
     with pytest.raises(ValueError, match="weight_zero_point"):
         load_model(str(asym), dtype="float32")
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_quantize_lm_head_rounds_the_head_and_keeps_the_embedding(float_ckpt, method):
+    """A self_quantized draft's LM head (kvserve.quant.quantize_lm_head): the logits are those of the
+    rounded table; token lookups keep the float embedding."""
+    from kvserve.quant import quantize_lm_head
+
+    path, hf = float_ckpt
+    lm = load_model(str(path), dtype="float32", quantization=method)
+    head = lm.model.lm_head
+    table = (head.weight if head.weight is not None else lm.model.model.embed_tokens.weight).detach().clone()
+    hidden = torch.randn(3, table.shape[1], generator=torch.Generator().manual_seed(0))
+    assert quantize_lm_head(lm.model, method, torch.float32, "cpu")
+    assert head.kernel is not None and lm.model.model.embed_tokens.weight is not None
+    rounded = QUANTIZE[method](table).dequantize() if method == "int4" else quantize_rtn(table, 8, None).dequantize()
+    torch.testing.assert_close(lm.model.compute_logits(hidden), hidden @ rounded.T, rtol=0, atol=1e-4)
+    assert not quantize_lm_head(lm.model, method, torch.float32, "cpu")  # already compressed: nothing to do

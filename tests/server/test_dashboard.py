@@ -28,8 +28,10 @@ KEY = "sk-dashboard"
 AUTH = {"authorization": f"Bearer {KEY}"}
 # A 16-block pool (block size 16) and a host-RAM tier: three 90-token prompts at once overflow
 # the pool (evictions to RAM, perhaps preemptions), and the first prompt comes back from RAM.
+# N-gram speculative decoding too (the panel's draft numbers).
 ARGS = ["--dtype", "float32", "--num-kv-blocks", "16", "--served-model-name", MODEL, "--kv-offload-cpu", "1MiB",
-        "--api-key", KEY]
+        "--api-key", KEY, "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": false}']
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +80,10 @@ def test_dashboard_shows_what_metrics_counts(tiered_server, tmp_path):
         assert m["kvserve:generation_tokens_total"] == generated == 5 * 12
         assert m['kvserve:kv_tier_hits_total{tier="cpu"}'] > 0  # the tier had work to show
         check_engine_panel(shown, m, ["cpu"])
+        spec = [f"kvserve:spec_decode_num_{k}_total" for k in ("drafts", "draft_tokens", "accepted_tokens")]
+        assert m[spec[0]] > 0 and all(shown[k] == m[k] for k in spec), [(shown.get(k), m[k]) for k in spec]
+        assert shown["spec:acceptance"] == pytest.approx(m[spec[2]] / m[spec[1]], rel=1e-12)
+        assert set(chart_series(driver, "server", "spec")) == {"acceptance"}
         # The charts drew the requests as they ran: tokens/s and per-poll latencies between polls.
         tokens = chart_series(driver, "server", "tokens")
         assert tokens["generation"]["max"] > 0 and tokens["prompt"]["max"] > 0

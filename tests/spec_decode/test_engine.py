@@ -113,38 +113,57 @@ def test_seeded_sampling_repeats_and_aborts_leak_nothing(tiny_model_factory):
         llm.close()
 
 
-def test_sampled_tokens_keep_the_target_distribution(tiny_model_factory):
-    """The second output token's histogram over 2,000 samples at temperature 0.8, with a draft
-    that is the target's likeliest token half the time and a wrong one otherwise, matches a plain
-    run's (chi-squared, p > 0.01)."""
+_DIST_PARAMS = SamplingParams(max_tokens=3, temperature=0.8, top_k=6, ignore_eos=True)
+
+
+def _second_tokens(llm: LLM) -> Counter:
+    outs = llm.generate([_prompts(1)[0]] * 2000, _DIST_PARAMS, use_tqdm=False)
+    return Counter(o.outputs[0].token_ids[1] for o in outs)
+
+
+@pytest.fixture(scope="module")
+def plain_second_tokens(tiny_model_factory) -> Counter:
+    llm = _llm(tiny_model_factory("llama"), None, num_kv_blocks=1024, max_num_seqs=256)
+    try:
+        return _second_tokens(llm)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("drafter", ["fixed", "draft_model"])
+def test_sampled_tokens_keep_the_target_distribution(tiny_model_factory, plain_second_tokens, drafter):
+    """The second output token's histogram over 2,000 samples at temperature 0.8 matches a plain
+    run's (chi-squared, p > 0.01), with drafts that exercise rejection: fixed proposals that are
+    the target's likeliest token half the time and a wrong one otherwise (q a point mass), or a
+    draft model (the target rounded to int4: on a tiny random model q differs from p enough that
+    drafts are often rejected) sampling from its own distribution q."""
     model = tiny_model_factory("llama")
-    prompt = _prompts(1)[0]
-    params = SamplingParams(max_tokens=2, temperature=0.8, top_k=6, ignore_eos=True)
-    hists = []
-    for spec in (None, NGRAM):
-        llm = _llm(model, spec, num_kv_blocks=1024, max_num_seqs=256)
-        try:
-            if spec is not None:
-                rng = random.Random(1)
-                eng = llm.engine
-                likely: dict[tuple[int, ...], int] = {}
+    if drafter == "draft_model":
+        spec = {"method": "draft_model", "model": str(model), "quantization": "int4", "num_speculative_tokens": 1,
+                "adaptive": False, "disable_by_batch_size": 4096}  # 256 at once still draft
+    else:
+        spec = NGRAM
+    llm = _llm(model, spec, num_kv_blocks=1024, max_num_seqs=256)
+    try:
+        if drafter == "fixed":
+            rng = random.Random(1)
+            eng = llm.engine
+            likely: dict[tuple[int, ...], int] = {}
 
-                def propose(req, num_decodes, rng=rng, likely=likely):
-                    key = tuple(req.all_token_ids)
-                    if key not in likely:  # the target's greedy pick after this history
-                        likely[key] = _argmax_next(eng, req.all_token_ids)
-                    return [likely[key] if rng.random() < 0.5 else (likely[key] + 1) % 200 + 1]
+            def propose(req, num_decodes):
+                key = tuple(req.all_token_ids)
+                if key not in likely:  # the target's greedy pick after this history
+                    likely[key] = _argmax_next(eng, req.all_token_ids)
+                return [likely[key] if rng.random() < 0.5 else (likely[key] + 1) % 200 + 1]
 
-                eng.scheduler.propose = propose
-            outs = llm.generate([prompt] * 2000, params, use_tqdm=False)
-            hists.append(Counter(o.outputs[0].token_ids[1] for o in outs))
-            if spec is not None:
-                stats = llm.engine.stats()
-                assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
-        finally:
-            llm.close()
-    tokens = sorted(set(hists[0]) | set(hists[1]))
-    table = torch.tensor([[h.get(t, 0) for t in tokens] for h in hists], dtype=torch.float64)
+            eng.scheduler.propose = propose
+        hist = _second_tokens(llm)
+        stats = llm.engine.stats()
+        assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    finally:
+        llm.close()
+    tokens = sorted(set(plain_second_tokens) | set(hist))
+    table = torch.tensor([[h.get(t, 0) for t in tokens] for h in (plain_second_tokens, hist)], dtype=torch.float64)
     assert _chi2_homogeneity_p(table) > 0.01
 
 
