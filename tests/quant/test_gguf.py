@@ -154,3 +154,30 @@ def test_default_model_gguf_greedy_tokens_and_memory():
     assert gguf_model.lm_head.kernel.path == "blocks" and gguf_model.lm_head.weight is None
     assert outs["gguf"][0] == outs["none"][0]
     assert resident < 1.3 * size
+
+
+def test_self_quantized_gguf_draft_is_the_files_own_blocks(make_hf_checkpoint, write_llama_gguf, tmp_path):  # noqa: F811
+    """speculative_config self_quantized with "gguf": the target runs dequantized (-q none), its draft
+    is the file's blocks; outputs equal the dequantized model's alone. A target already running the
+    blocks is refused by field name."""
+    from kvserve import LLM, SamplingParams
+
+    _, hf = make_hf_checkpoint(LlamaConfig(**SMALL))
+    path = str(write_llama_gguf(hf, tmp_path / "m.gguf", QTYPES))
+    spec = {"method": "self_quantized", "quantization": "gguf", "num_speculative_tokens": 3, "adaptive": False}
+    prompts = [TOKENS, TOKENS[::-1], TOKENS[2:] * 2]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outs = []
+    for s in (None, spec):
+        llm = LLM(model=path, quantization="none", dtype="float32", num_kv_blocks=64, block_size=4,
+                  speculative_config=s)
+        try:
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            if s is not None:
+                stats = llm.engine.stats()
+                assert stats["spec_decode_num_accepted_tokens"] > stats["spec_decode_num_draft_tokens"] // 3
+        finally:
+            llm.close()
+    assert outs[0] == outs[1]
+    with pytest.raises(ValueError, match="speculative_config.quantization gguf"):
+        LLM(model=path, dtype="float32", num_kv_blocks=16, speculative_config=spec)
