@@ -88,16 +88,21 @@ def test_greedy_equal_under_preemption_prefix_hits_n2_stops_and_logprobs(tiny_mo
     assert runs[1][1]["num_preemptions"] > 0 or runs[0][1]["num_preemptions"] > 0
 
 
-def test_seeded_sampling_repeats_and_aborts_leak_nothing(tiny_model_factory):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_seeded_sampling_repeats_and_aborts_leak_nothing(tiny_model_factory, method):
+    """draft_model: the target rounded to int4 as its own KV's draft model, sampling its drafts."""
     model = tiny_model_factory("llama")
-    prompts = _prompts(6)
+    prompts = _prompts(6 if method == "ngram" else 4)
+    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": str(model), "quantization": "int4",
+                                             "num_speculative_tokens": 3, "adaptive": False}
     params = SamplingParams(max_tokens=24, temperature=0.8, top_k=5, seed=7, ignore_eos=True)
-    llm = _llm(model, NGRAM)
+    llm = _llm(model, spec)
     try:
         first = _tokens(llm.generate(prompts, params, use_tqdm=False))
         llm.engine.clear_kv_cache()
         assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == first
-        assert llm.engine.stats()["spec_decode_num_drafts"] > 0
+        stats = llm.engine.stats()
+        assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
         # aborts between verify steps: every block comes back
         eng = llm.engine
         ids = [eng.add_request(None, p, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
