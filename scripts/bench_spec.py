@@ -28,15 +28,16 @@ import os
 import subprocess
 import time
 
-from kvserve import LLM, SamplingParams
-from kvserve.bench.spec_prompts import copy_heavy_prompts
+# kvserve is imported where it is used: the llama.cpp child (--llama-child) runs in a python without it.
 
 
-def _spec_stats(llm: LLM) -> dict[str, int]:
+def _spec_stats(llm) -> dict[str, int]:
     return {k: v for k, v in llm.engine.stats().items() if k.startswith("spec_decode_num_")}
 
 
-def single_stream(engines: dict[str, LLM], chats: list, max_tokens: int) -> dict[str, dict[str, float]]:
+def single_stream(engines: dict, chats: list, max_tokens: int) -> dict[str, dict[str, float]]:
+    from kvserve import SamplingParams
+
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     acc = {name: {"tokens": 0, "seconds": 0.0, "decode_tokens": 0, "decode_seconds": 0.0} for name in engines}
     outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
@@ -67,6 +68,7 @@ def single_stream(engines: dict[str, LLM], chats: list, max_tokens: int) -> dict
 
 
 def batch_throughput(spec: dict, n: int, max_num_seqs: int, tokens: int, engine_args: dict) -> dict[str, float]:
+    from kvserve import LLM, SamplingParams
     from kvserve.bench.datasets import load_sharegpt
 
     out = {}
@@ -92,6 +94,11 @@ def llama_cpp_lookup(python: str, model: str, prompts: list[list[int]], max_toke
     if out.returncode or not lines:
         raise RuntimeError(f"llama.cpp failed:\n{out.stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def _ids(out) -> list[int]:
+    """apply_chat_template(tokenize=True)'s ids (transformers 5 returns a BatchEncoding)."""
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
 def _llama_child(spec: dict) -> None:
@@ -139,17 +146,21 @@ def main() -> None:
     args = ap.parse_args()
     if args.llama_child:
         return _llama_child(json.loads(args.llama_child))
+    from kvserve import LLM
+    from kvserve.bench.spec_prompts import copy_heavy_prompts
+
     spec = json.loads(args.spec)
     engine_args = json.loads(args.engine_args)
     engines = {"off": LLM(**engine_args), "on": LLM(speculative_config=spec, **engine_args)}
     if args.peer_args:
         engines["peer"] = LLM(**json.loads(args.peer_args))
     chats = copy_heavy_prompts()[:args.prompts]
-    res = single_stream(engines, chats, args.max_tokens)
-    print("copy-heavy, single stream:", json.dumps({k: v for k, v in res.items() if k != "outputs"}), flush=True)
-    if args.llama_python:
+    res = single_stream(engines, chats, args.max_tokens) if chats else None
+    if res is not None:
+        print("copy-heavy, single stream:", json.dumps({k: v for k, v in res.items() if k != "outputs"}), flush=True)
+    if args.llama_python and res is not None:
         tok = engines["off"].get_tokenizer()
-        ids = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True)) for c in chats]
+        ids = [_ids(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True)) for c in chats]
         model = engines["off"].engine.model_path
         peer = llama_cpp_lookup(args.llama_python, model, ids, args.max_tokens, spec.get("num_speculative_tokens", 4))
         same = sum(a == b for a, b in zip(peer.pop("lookup_outputs"), res["outputs"]["on"]))
