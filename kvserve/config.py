@@ -278,8 +278,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("speculative_config", "speculative.config",
          "JSON in vLLM's shape, e.g. '{\"method\":\"ngram\",\"num_speculative_tokens\":4,"
          "\"prompt_lookup_max\":5,\"prompt_lookup_min\":2}': drafts from the request's own earlier tokens, "
-         "verified in one forward (outputs unchanged); kvserve's keys: adaptive (default true: k per request "
-         "from its acceptance rate), disable_by_batch_size (default 16)", group="speculative",
+         "verified in one forward (outputs unchanged); method draft_model (\"model\": a smaller model with the "
+         "same tokenizer) or self_quantized (\"quantization\": int4|int8|gguf, the model's own weights rounded "
+         "at load); kvserve's keys: adaptive (default true: k per request from its acceptance rate), "
+         "disable_by_batch_size (default 16)", group="speculative",
          convert=parse_json_object, metavar="JSON"),
 )
 
