@@ -126,17 +126,17 @@ class EngineCore:
         if config.parallel.pipeline_parallel_size > 1:
             raise ValueError("speculative_config: speculative decoding with pipeline_parallel_size > 1 is not "
                              "supported yet")
-        spec = config.speculative
-        if spec.uses_draft_model and config.parallel.tensor_parallel_size > 1:
-            raise ValueError(f"speculative_config.method {spec.method}: a draft model runs on one rank; "
-                             "tensor_parallel_size > 1 is not supported with it yet")
-        return SpecDecodeProposer(spec, self.max_model_len)
+        return SpecDecodeProposer(config.speculative, self.max_model_len)
 
     @functools.cached_property
     def draft_hf_config(self):
         """speculative_config method draft_model: the draft's config, checked against the target's
-        (its own KV tensors take a share of each block's memory); None for other methods."""
+        (its own KV tensors take a share of each block's memory); None for other methods. Read
+        before the ranks start, so a draft model that cannot run is refused first."""
         spec = self.config.speculative
+        if spec.uses_draft_model and self.config.parallel.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config.method {spec.method}: a draft model runs on one rank; "
+                             "tensor_parallel_size > 1 is not supported with it yet")
         if spec.method != "draft_model":
             return None
         try:

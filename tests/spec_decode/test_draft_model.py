@@ -71,6 +71,9 @@ def test_draft_configs_are_checked_by_name(models, tmp_path):
     other_vocab = build_tiny_model(tmp_path / "v", "llama", vocab_size=352)
     for spec, msg in [({"method": "draft_model", "model": str(tmp_path / "missing")}, "speculative_config.model"),
                       ({"method": "draft_model", "model": str(other_vocab)}, "share the target's tokenizer"),
-                      ({"method": "self_quantized", "quantization": "gguf"}, "speculative_config.quantization")]:
+                      ({"method": "self_quantized", "quantization": "gguf"}, "speculative_config.quantization"),
+                      ({"method": "self_quantized", "tp": 2}, "tensor_parallel_size > 1 is not supported")]:
+        tp = spec.pop("tp", 1)
         with pytest.raises(ValueError, match=msg):
-            LLM(model=str(model), speculative_config={**spec, "num_speculative_tokens": 2}, num_kv_blocks=16)
+            LLM(model=str(model), speculative_config={**spec, "num_speculative_tokens": 2}, num_kv_blocks=16,
+                tensor_parallel_size=tp)
