@@ -146,6 +146,10 @@ class EngineCore:
         if draft.vocab_size != self.hf_config.vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocabulary has {draft.vocab_size} tokens, the "
                              f"target's {self.hf_config.vocab_size}; a draft model must share the target's tokenizer")
+        draft_len = getattr(draft, "max_position_embeddings", None)
+        if draft_len is not None and draft_len < self.max_model_len:
+            raise ValueError(f"speculative_config.model: the draft runs up to {draft_len} positions, the target up to "
+                             f"max_model_len {self.max_model_len}; lower max_model_len to {draft_len}")
         return draft
 
     def _max_model_len(self, requested: int | None) -> int:

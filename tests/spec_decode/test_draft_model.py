@@ -69,8 +69,10 @@ def test_draft_configs_are_checked_by_name(models, tmp_path):
         with pytest.raises(ValueError, match=msg):
             EngineConfig.from_kwargs(speculative_config=bad)
     other_vocab = build_tiny_model(tmp_path / "v", "llama", vocab_size=352)
+    shorter = build_tiny_model(tmp_path / "s", "llama", max_position_embeddings=64)
     for spec, msg in [({"method": "draft_model", "model": str(tmp_path / "missing")}, "speculative_config.model"),
                       ({"method": "draft_model", "model": str(other_vocab)}, "share the target's tokenizer"),
+                      ({"method": "draft_model", "model": str(shorter)}, "lower max_model_len to 64"),
                       ({"method": "self_quantized", "quantization": "gguf"}, "speculative_config.quantization"),
                       ({"method": "self_quantized", "tp": 2}, "tensor_parallel_size > 1 is not supported")]:
         tp = spec.pop("tp", 1)
