@@ -73,7 +73,7 @@ class EngineCore:
         # The KV pool is allocated as the ranks start, so it is sized before they load the weights,
         # from the checkpoint's estimate of them (checked against the loaded size below).
         self.weight_estimate: int | None = None
-        _ = self.draft_hf_config  # a draft model's path and vocabulary are checked before the ranks start
+        self.draft_hf_config = self._check_speculative(config, ckpt)
         num_blocks = self._num_blocks(cache_config, ckpt)
         calibration = self._kv_calibration_ids() if cache_config.kv_cache_dtype == "fp8" else None
         self.eos_token_id = self._eos_token_id()
@@ -123,20 +123,25 @@ class EngineCore:
     def _spec_proposer(self, config: EngineConfig) -> SpecDecodeProposer | None:
         if not config.speculative.enabled:
             return None
+        return SpecDecodeProposer(config.speculative, self.max_model_len)
+
+    def _check_speculative(self, config: EngineConfig, ckpt: Checkpoint):
+        """What the speculative config asks of the deployment, checked before the ranks start (they
+        load a draft model as told). Returns a draft_model's config (its own KV tensors take a share
+        of each block's memory); None for other methods."""
+        spec = config.speculative
+        if not spec.enabled:
+            return None
         if config.parallel.pipeline_parallel_size > 1:
             raise ValueError("speculative_config: speculative decoding with pipeline_parallel_size > 1 is not "
                              "supported yet")
-        return SpecDecodeProposer(config.speculative, self.max_model_len)
-
-    @functools.cached_property
-    def draft_hf_config(self):
-        """speculative_config method draft_model: the draft's config, checked against the target's
-        (its own KV tensors take a share of each block's memory); None for other methods. Read
-        before the ranks start, so a draft model that cannot run is refused first."""
-        spec = self.config.speculative
-        if spec.uses_draft_model and self.config.parallel.tensor_parallel_size > 1:
+        if spec.uses_draft_model and config.parallel.tensor_parallel_size > 1:
             raise ValueError(f"speculative_config.method {spec.method}: a draft model runs on one rank; "
                              "tensor_parallel_size > 1 is not supported with it yet")
+        if spec.method == "self_quantized" and spec.quantization == "gguf" and (
+                ckpt.gguf_reader is None or config.model.quantization in (None, "gguf")):
+            raise ValueError("speculative_config.quantization gguf: the draft is a GGUF file's own blocks drafting "
+                             "for the same file loaded dequantized; give a GGUF model with --quantization none")
         if spec.method != "draft_model":
             return None
         try:

@@ -67,10 +67,8 @@ class ModelDrafter:
             spans[rid] = (start, q + n - start)
             self._computed[rid] = q + n
         probs: dict[str, list[torch.Tensor]] = {rid: [] for rid in drafts}
-        fed = spans
-        for i in range(max((len(d) for d in drafts.values()), default=0) + 1):
-            if not fed:
-                break
+        fed, i = spans, 0
+        while fed:  # pass i feeds each request's token before draft i and picks draft i
             logits_of = self._run(runner, fed)
             nxt: dict[str, tuple[int, int]] = {}
             picks = [rid for rid in fed if rid in drafts and i < len(drafts[rid])]
@@ -87,7 +85,7 @@ class ModelDrafter:
                         nxt[rid] = (pos, 1)
                         if not self.shares_kv:
                             self._computed[rid] = pos + 1
-            fed = nxt
+            fed, i = nxt, i + 1
         return {rid: torch.stack(p) if p else None for rid, p in probs.items()}
 
     def _run(self, runner: Any, spans: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
@@ -113,11 +111,12 @@ class ModelDrafter:
         # Draft i fills position num_computed + 1 + i: the output tokens before it are banned's count.
         banned = [runner._banned(st, st.num_computed_tokens + 1 + i - st.num_prompt_tokens) for st in states]
         argmax, probs = runner.distributions(rids, torch.stack(logits), banned)
+        greedy = argmax.tolist()
         tokens: list[int] = []
         dists: list[torch.Tensor | None] = []
         for j, st in enumerate(states):
             if st.params.greedy:
-                tokens.append(int(argmax[j]))
+                tokens.append(greedy[j])
                 dists.append(None)
             else:
                 tokens.append(int(torch.multinomial(probs[j], 1, generator=st.generator)))

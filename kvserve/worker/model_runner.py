@@ -84,6 +84,13 @@ def fp8_kv_scales(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, scales, torch.ones_like(scales))
 
 
+def set_kv_scales(model: nn.Module, scales: torch.Tensor) -> None:
+    """Give each Attention layer of `model`, in order, its fp8 (k_scale, v_scale) of scales [layers, 2]."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    for m, (k_scale, v_scale) in zip(layers, scales.tolist()):
+        m.k_scale, m.v_scale = k_scale, v_scale
+
+
 def _zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed KV tensor. On the CPU its memory comes from calloc (numpy.zeros), whose pages the
     OS zeroes on first touch: a pool sized from free RAM costs neither start-up time nor resident
@@ -195,8 +202,7 @@ class ModelRunner:
             for m in layers:
                 m.kv_amax = None
         scales = fp8_kv_scales(amax)
-        for m, (k_scale, v_scale) in zip(layers, scales.tolist()):
-            m.k_scale, m.v_scale = k_scale, v_scale
+        set_kv_scales(self.model, scales)
         return scales
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kvserve.attention import Attention, set_attention_backend
+from kvserve.attention import set_attention_backend
 from kvserve.config import EngineConfig
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.distributed.parallel import Parallel, init_distributed
@@ -23,7 +23,7 @@ from kvserve.kernels import tuning
 from kvserve.spec_decode.draft_model import ModelDrafter
 from kvserve.worker.kv_connectors import build_worker_roles
 from kvserve.worker.decode_stack import DecodeStack
-from kvserve.worker.model_runner import ModelRunner, ModelRunnerOutput
+from kvserve.worker.model_runner import ModelRunner, ModelRunnerOutput, set_kv_scales
 
 logger = logging.getLogger(__name__)
 
@@ -78,25 +78,15 @@ class Worker:
         """The draft model of speculative decoding (spec_decode/draft_model.py): a smaller model
         with its own KV tensors under the target's block ids (draft_model), or the target's weights
         quantized at load sharing the target's KV cache (self_quantized)."""
-        spec, m, runner = config.speculative, config.model, self.runner
-        if not parallel.is_single:
-            raise ValueError(f"speculative_config.method {spec.method}: a draft model runs on one rank; tensor and "
-                             "pipeline parallelism are not supported with it yet")
+        spec, m, runner = config.speculative, config.model, self.runner  # checked by the engine (EngineCore)
         if spec.method == "draft_model":
             path, quantization, field = spec.model, spec.quantization, "speculative_config.model"
         else:
             path, quantization, field = m.model, spec.quantization, "speculative_config.quantization"
-            if quantization == "gguf" and self.loaded.quantization == "gguf":
-                raise ValueError("speculative_config.quantization gguf: the target already runs the GGUF file's "
-                                 "quantized weights; load the target dequantized (--quantization none) for a "
-                                 "float target with the file's own weights as its draft")
         try:
             draft = load_model(path, m.dtype, config.device, quantization, parallel)
         except (ValueError, OSError) as e:
             raise ValueError(f"{field}: {e}") from e
-        if draft.hf_config.vocab_size != self.loaded.hf_config.vocab_size:
-            raise ValueError(f"{field}: the draft's vocabulary has {draft.hf_config.vocab_size} tokens, the target's "
-                             f"{self.loaded.hf_config.vocab_size}; a draft model must share the target's tokenizer")
         if quantization in ("int4", "int8"):  # rounded at load: the LM head too, or it costs the draft most
             quantize_lm_head(draft.model, quantization, draft.dtype, config.device)
         tuning.tune_linears(draft.model, draft.dtype)
@@ -104,9 +94,8 @@ class Worker:
         shares_kv = spec.method == "self_quantized"
         if shares_kv:
             caches = runner.kv_caches
-            targets = [a for a in self.loaded.model.modules() if isinstance(a, Attention)]
-            for a, t in zip((a for a in draft.model.modules() if isinstance(a, Attention)), targets):
-                a.k_scale, a.v_scale = t.k_scale, t.v_scale  # fp8 KV: the target's calibrated scales
+            if runner.kv_scales is not None:  # fp8 KV: the target's calibrated scales
+                set_kv_scales(draft.model, runner.kv_scales)
         else:
             caches = runner.new_kv_caches(draft.hf_config, draft.dtype)
         stack = DecodeStack.build(draft.model, draft.dtype, runner.attention_backend.name, runner.device)
