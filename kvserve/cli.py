@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.bench.throughput import add_bench_parser
     from kvserve.eval.cli import add_eval_parser
     from kvserve.kv_tiers.cli import add_cache_parser
-    from kvserve.quant.quantize import add_quantize_parser
+    from kvserve.quantize_args import add_quantize_parser
 
     add_bench_parser(sub)
     add_cache_parser(sub)

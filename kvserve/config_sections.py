@@ -51,6 +51,8 @@ KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 # Weight quantization methods (quant/methods.py loads each; quant/base.py's METHODS is this list),
 # listed here so that checking a config imports no torch.
 QUANTIZATION_METHODS = ("awq", "gptq", "int4", "int8", "fp8", "gguf")
+# The layouts `kvserve quantize` writes (quant/quantize.py), here for the same reason: its flags.
+QUANTIZE_METHODS = ("awq", "gptq", "int8", "fp8", "rtn")
 
 
 def triton_interpreting() -> bool:

@@ -232,3 +232,15 @@ def test_config_imports_no_torch():
 
     code = "import sys, kvserve.config, kvserve.engine_args; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_cli_parser_imports_no_torch():
+    """`kvserve serve` parses its flags and spawns the engine before anything imports torch (~2.5 s):
+    building the whole parser (every subcommand's flags) must not import it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvserve.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -23,9 +23,9 @@ import torch
 
 from kvserve.eval.ppl import score
 
-DEFAULT_NUM_PROMPTS = 16
-DEFAULT_MAX_TOKENS = 64
-DEFAULT_MAX_PROMPT_LEN = 256
+from kvserve.eval import AGREE_MAX_PROMPT_LEN as DEFAULT_MAX_PROMPT_LEN
+from kvserve.eval import AGREE_MAX_TOKENS as DEFAULT_MAX_TOKENS
+from kvserve.eval import AGREE_NUM_PROMPTS as DEFAULT_NUM_PROMPTS
 
 
 @dataclass

@@ -14,8 +14,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvserve.eval import agree, ppl
-from kvserve.quant.base import METHODS
+from kvserve import eval as defaults
+from kvserve.config_sections import QUANTIZATION_METHODS as METHODS
 
 _QUANT_CHOICES = [*METHODS, "none"]
 
@@ -40,9 +40,9 @@ def add_eval_parser(subparsers: Any) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--dataset", default="sharegpt",
                    help="'sharegpt' (all turns joined, in file order) or a UTF-8 text file")
-    p.add_argument("--max-tokens", type=int, default=ppl.DEFAULT_MAX_TOKENS, help="cut the tokenized text here")
-    p.add_argument("--window", type=int, default=ppl.DEFAULT_WINDOW, help="tokens per model call")
-    p.add_argument("--stride", type=int, default=ppl.DEFAULT_STRIDE,
+    p.add_argument("--max-tokens", type=int, default=defaults.PPL_MAX_TOKENS, help="cut the tokenized text here")
+    p.add_argument("--window", type=int, default=defaults.PPL_WINDOW, help="tokens per model call")
+    p.add_argument("--stride", type=int, default=defaults.PPL_STRIDE,
                    help="tokens between window starts (<= --window; each token is scored once)")
     p.set_defaults(func=cmd_ppl)
 
@@ -54,10 +54,10 @@ def add_eval_parser(subparsers: Any) -> None:
                    help="quantization of the reference (default none: unquantized / dequantized)")
     a.add_argument("--reference-model", default=None, help="reference checkpoint (default: MODEL)")
     a.add_argument("--dataset", default="sharegpt", help="'sharegpt' or a JSON file in ShareGPT format")
-    a.add_argument("--num-prompts", type=int, default=agree.DEFAULT_NUM_PROMPTS)
-    a.add_argument("--max-tokens", type=int, default=agree.DEFAULT_MAX_TOKENS,
+    a.add_argument("--num-prompts", type=int, default=defaults.AGREE_NUM_PROMPTS)
+    a.add_argument("--max-tokens", type=int, default=defaults.AGREE_MAX_TOKENS,
                    help="greedy tokens the reference generates per prompt")
-    a.add_argument("--max-prompt-len", type=int, default=agree.DEFAULT_MAX_PROMPT_LEN,
+    a.add_argument("--max-prompt-len", type=int, default=defaults.AGREE_MAX_PROMPT_LEN,
                    help="longest ShareGPT prompt kept, in tokens")
     a.add_argument("--seed", type=int, default=0, help="prompt selection")
     a.set_defaults(func=cmd_agree)
@@ -72,6 +72,8 @@ def _emit(rows: list[tuple[str, str]], result: Any, output_json: str | None) -> 
 
 
 def cmd_ppl(args: argparse.Namespace) -> int:
+    from kvserve.eval import ppl
+
     r = ppl.run_ppl(args.model, args.dataset, args.max_tokens, args.window, args.stride, args.quantization,
                     args.dtype, args.kv_cache_dtype, args.device)
     _emit([("model", r.model), ("quantization", r.quantization), ("weight memory", f"{r.weight_bytes / 1e6:.1f} MB"),
@@ -85,6 +87,8 @@ def cmd_ppl(args: argparse.Namespace) -> int:
 
 
 def cmd_agree(args: argparse.Namespace) -> int:
+    from kvserve.eval import agree
+
     r = agree.run_agree(args.model, args.quantization, args.reference_quantization, args.reference_model,
                         args.num_prompts, args.max_tokens, args.max_prompt_len, args.dtype, args.device, args.seed,
                         args.dataset)

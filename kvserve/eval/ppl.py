@@ -21,9 +21,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-DEFAULT_MAX_TOKENS = 16384
-DEFAULT_WINDOW = 1024
-DEFAULT_STRIDE = 512
+from kvserve.eval import PPL_MAX_TOKENS as DEFAULT_MAX_TOKENS
+from kvserve.eval import PPL_STRIDE as DEFAULT_STRIDE
+from kvserve.eval import PPL_WINDOW as DEFAULT_WINDOW
 # ShareGPT texts are read until the joined text holds about this many characters per wanted
 # token; if it tokenizes to fewer tokens, twice as many characters are read, and so on.
 _CHARS_PER_TOKEN = 6

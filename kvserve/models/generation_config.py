@@ -34,7 +34,7 @@ def generation_defaults(model_path: str | Path, setting: str = "auto", gguf_read
                         log: bool = True) -> dict[str, Any]:
     """SamplingParams keyword values the model recommends, e.g. {"temperature": 0.6, "top_p": 0.9}.
 
-    model_path: the loaded .gguf file or HF directory; gguf_reader: its GGUFReader when it
+    model_path: the loaded .gguf file or HF directory; gguf_reader: its GGUFFile when it
     is a GGUF file (opened here if None). A bad value raises ValueError naming its source.
     """
     if not isinstance(setting, str) or not setting:
@@ -80,9 +80,8 @@ def _from_gguf(path: Path, reader: Any) -> dict[str, Any]:
         reader = open_gguf(path)
     out = {}
     for key, ours in _GGUF_KEYS.items():
-        field = reader.fields.get(key)
-        if field is not None:
-            value = field.contents()
+        value = reader.get(key)
+        if value is not None:
             # float32 in the file: 0.6 comes back as 0.60000002384
             out[ours] = float(f"{value:.6g}") if isinstance(value, float) else value
     return out

@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvserve.models.gguf_file import GGUFFile
+
 logger = logging.getLogger(__name__)
 
 # GGUF architecture -> (HF config class name, HF architecture)
@@ -62,11 +64,10 @@ _SKIP = {"rope_freqs.weight"}
 
 
 def open_gguf(path: str | Path) -> Any:
-    """A GGUFReader (read-only: it is shared); a corrupt or truncated file raises ValueError naming it.
+    """The file's GGUFFile (read-only: it is shared); a corrupt or truncated file raises ValueError naming it.
 
-    Parsing the metadata takes seconds (5.4 s for the default model on a Zen 3 core: gguf reads
-    its 49k-token vocabulary and merges one value at a time), and a process asks for the config,
-    the tokenizer, the sampling defaults and the weights: the reader is kept per file version."""
+    A process asks for the config, the tokenizer, the sampling defaults and the weights: the
+    opened file is kept per file version."""
     try:
         st = os.stat(path)
         return _read_gguf(str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
@@ -75,34 +76,25 @@ def open_gguf(path: str | Path) -> Any:
 
 
 @functools.lru_cache(maxsize=4)  # a failed read is not kept
-def _read_gguf(path: str, mtime_ns: int, size: int) -> Any:
-    from gguf import GGUFReader
-
-    return GGUFReader(path)
+def _read_gguf(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    return GGUFFile(path)
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
-def _require(reader: Any, key: str, path: str) -> Any:
-    value = _field(reader, key)
+def _require(reader: GGUFFile, key: str, path: str) -> Any:
+    value = reader.get(key)
     if value is None:
         raise ValueError(f"GGUF file {path!r} lacks metadata field {key!r}")
     return value
 
 
-def gguf_architecture(reader: Any, path: str) -> str:
+def gguf_architecture(reader: GGUFFile, path: str) -> str:
     arch = _require(reader, "general.architecture", path)
     if arch not in _ARCHS:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {path!r}; supported: {', '.join(sorted(_ARCHS))}")
     return arch
 
 
-def gguf_config(reader: Any, path: str) -> Any:
+def gguf_config(reader: GGUFFile, path: str) -> Any:
     """Build the transformers config of a GGUF file from its `<arch>.*` metadata."""
     import transformers
 
@@ -110,16 +102,15 @@ def gguf_config(reader: Any, path: str) -> Any:
     cfg_name, hf_arch = _ARCHS[arch]
     hidden = int(_require(reader, f"{arch}.embedding_length", path))
     heads = int(_require(reader, f"{arch}.attention.head_count", path))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
-    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    head_dim = int(reader.get(f"{arch}.attention.key_length", hidden // heads))
+    rope_dim = int(reader.get(f"{arch}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
         raise ValueError(f"GGUF file {path!r}: partial rotary (rope.dimension_count={rope_dim}, "
                          f"head_dim={head_dim}) is not supported")
     names = {t.name for t in reader.tensors}
-    vocab = _field(reader, f"{arch}.vocab_size")
+    vocab = reader.get(f"{arch}.vocab_size")
     if vocab is None:
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens is not None else int(_token_embd(reader, path).shape[-1])
+        vocab = reader.array_len("tokenizer.ggml.tokens") or int(_token_embd(reader, path).shape[-1])
     kwargs: dict[str, Any] = dict(
         architectures=[hf_arch],
         vocab_size=int(vocab),
@@ -127,15 +118,15 @@ def gguf_config(reader: Any, path: str) -> Any:
         intermediate_size=int(_require(reader, f"{arch}.feed_forward_length", path)),
         num_hidden_layers=int(_require(reader, f"{arch}.block_count", path)),
         num_attention_heads=heads,
-        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        num_key_value_heads=int(reader.get(f"{arch}.attention.head_count_kv", heads)),
         head_dim=head_dim,
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=int(reader.get(f"{arch}.context_length", 2048)),
+        rms_norm_eps=float(reader.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_parameters=_rope_parameters(reader, arch, path),
         tie_word_embeddings="output.weight" not in names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+        bos_token_id=reader.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=reader.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=reader.get("tokenizer.ggml.padding_token_id"),
     )
     if arch == "qwen2":
         kwargs.pop("head_dim")
@@ -146,9 +137,9 @@ def gguf_config(reader: Any, path: str) -> Any:
     return getattr(transformers, cfg_name)(**kwargs)
 
 
-def _moe_kwargs(reader: Any, arch: str, path: str) -> dict[str, Any]:
+def _moe_kwargs(reader: GGUFFile, arch: str, path: str) -> dict[str, Any]:
     """MixtralConfig's extra fields for a file with experts ({} for a dense one)."""
-    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    experts = int(reader.get(f"{arch}.expert_count", 0) or 0)
     if not experts:
         return {}
     if arch != "llama":
@@ -164,17 +155,17 @@ def _moe_kwargs(reader: Any, arch: str, path: str) -> dict[str, Any]:
             "sliding_window": None}
 
 
-def _token_embd(reader: Any, path: str) -> Any:
+def _token_embd(reader: GGUFFile, path: str) -> Any:
     for t in reader.tensors:
         if t.name == "token_embd.weight":
             return t.shape
     raise ValueError(f"GGUF file {path!r} has no vocab size and no token_embd.weight tensor")
 
 
-def _rope_parameters(reader: Any, arch: str, path: str) -> dict[str, Any]:
+def _rope_parameters(reader: GGUFFile, arch: str, path: str) -> dict[str, Any]:
     params: dict[str, Any] = {"rope_type": "default",
-                              "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0))}
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
+                              "rope_theta": float(reader.get(f"{arch}.rope.freq_base", 10000.0))}
+    scaling = reader.get(f"{arch}.rope.scaling.type")
     if scaling in (None, "none"):
         return params
     if scaling == "linear":
@@ -237,7 +228,7 @@ def _expert_names(t: Any, num_experts: int, path: str) -> list[str] | None:
     return [f"model.layers.{layer}.block_sparse_moe.experts.{e}.{_EXPERT_LINEARS[kind]}.weight" for e in experts]
 
 
-def gguf_weights(reader: Any, config: Any, path: str,
+def gguf_weights(reader: GGUFFile, config: Any, path: str,
                  compressed: bool = False) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
     """(number of items, iterator of (HF name, float32 tensor)).
 
@@ -299,7 +290,7 @@ def _tokenizer_cache_dir(path: Path) -> Path:
     return cache_dir() / "gguf_tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def gguf_tokenizer(path: Path, reader: Any = None) -> Any:
+def gguf_tokenizer(path: Path, reader: GGUFFile | None = None) -> Any:
     """transformers' tokenizer built from the GGUF vocab, with the file's chat template.
 
     The converted tokenizer is cached on disk (see `_tokenizer_cache_dir`); a
@@ -318,7 +309,7 @@ def gguf_tokenizer(path: Path, reader: Any = None) -> Any:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:
         raise ValueError(f"cannot build a tokenizer from GGUF file {str(path)!r}: {type(e).__name__}: {e}") from e
-    template = _field(reader if reader is not None else open_gguf(path), "tokenizer.chat_template")
+    template = (reader if reader is not None else open_gguf(path)).get("tokenizer.chat_template")
     if template and not getattr(tok, "chat_template", None):
         tok.chat_template = template
     _save_tokenizer(tok, cache)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from kvserve.quant.awq import unpack_awq
 from kvserve.quant.base import LINEAR_SUFFIXES
 from kvserve.quant.gptq import unpack_gptq
-from kvserve.quant.quantize import add_quantize_parser
+from kvserve.quantize_args import add_quantize_parser
 from tests.conftest import CORPUS, assert_greedy_parity, hf_greedy
 
 PROMPTS = [[1, 40, 41, 42, 43, 44, 45, 46], [1, 100, 7, 250, 9, 31]]
