@@ -93,17 +93,13 @@ def tokenizer_source() -> str:
     return str(files[0])
 
 
-@functools.lru_cache(maxsize=2)  # parsing 49k tokens and merges takes seconds; tests make several files
+@functools.lru_cache(maxsize=2)
 def tokenizer_fields(source: str) -> tuple[tuple[str, Any, Any, Any], ...]:
     """(key, value, GGUF type, array item type) of every tokenizer.* key of `source`."""
-    from gguf import GGUFReader, GGUFValueType
+    from kvserve.models.gguf_file import GGUFFile
 
-    out = []
-    for key, field in GGUFReader(source).fields.items():
-        if key.startswith("tokenizer."):
-            vtype = field.types[0]
-            out.append((key, field.contents(), vtype, field.types[1] if vtype == GGUFValueType.ARRAY else None))
-    return tuple(out)
+    f = GGUFFile(source)
+    return tuple((key, f.get(key), *f.value_type(key)) for key in f.keys() if key.startswith("tokenizer."))
 
 
 def copy_tokenizer(writer: Any, source: str) -> int:

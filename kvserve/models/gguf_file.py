@@ -75,11 +75,12 @@ class GGUFFile:
             raise ValueError(f"header claims {n_kv} metadata entries and {n_tensors} tensors in {size} bytes")
         self._off = 24
         self._meta: dict[str, Any] = {}
+        self._types: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {}
         for _ in range(n_kv):
             key = self._string()
             if key in self._meta:
                 raise ValueError(f"metadata key {key!r} appears twice")
-            self._meta[key] = self._value(self._u32())
+            self._meta[key] = self._value(key, self._u32())
         infos = [self._tensor_info() for _ in range(n_tensors)]
         if len({info[0] for info in infos}) != len(infos):
             raise ValueError("a tensor name appears twice")
@@ -102,6 +103,10 @@ class GGUFFile:
 
     def keys(self) -> list[str]:
         return list(self._meta)
+
+    def value_type(self, key: str) -> tuple[GGUFValueType, GGUFValueType | None]:
+        """(the value's GGUF type, its items' type for an array, else None): to copy a value exactly."""
+        return self._types[key]
 
     def array_len(self, key: str) -> int | None:
         """The length of an array value without decoding it (None: absent or not an array)."""
@@ -134,30 +139,31 @@ class GGUFFile:
         except UnicodeDecodeError as e:
             raise ValueError(f"string at offset {off} is not UTF-8: {e}") from e
 
-    def _value(self, vtype: int) -> Any:
-        if vtype in _SCALAR:
+    def _value(self, key: str, vtype: int) -> Any:
+        if vtype in _SCALAR or vtype == GGUFValueType.STRING:
+            self._types[key] = (GGUFValueType(vtype), None)
+            if vtype == GGUFValueType.STRING:
+                return self._string()
             return struct.unpack_from(_SCALAR[vtype], self._buf, self._take(_SCALAR_SIZE[vtype]))[0]
-        if vtype == GGUFValueType.STRING:
-            return self._string()
         if vtype != GGUFValueType.ARRAY:
-            raise ValueError(f"unknown metadata value type {vtype}")
+            raise ValueError(f"metadata {key!r} has unknown value type {vtype}")
         etype, count = self._u32(), self._u64()
+        if etype not in _SCALAR and etype != GGUFValueType.STRING:
+            raise ValueError(f"metadata {key!r} is an array of unsupported item type {etype}")
+        self._types[key] = (GGUFValueType.ARRAY, GGUFValueType(etype))
         if etype in _ARRAY_DTYPE:
             dtype = _ARRAY_DTYPE[etype]
-            off = self._take(count * dtype.itemsize)
-            return np.frombuffer(self._buf, dtype, count, off).tolist()
-        if etype == GGUFValueType.STRING:
-            strings = _Strings(self._off, count)
-            if count * 8 > self._size:
-                raise ValueError(f"string array of {count} items cannot fit in the file")
-            buf, off, size = self._buf, self._off, self._size
-            for _ in range(count):  # skip: each is a u64 length and its bytes
-                if off + 8 > size:
-                    raise ValueError("truncated string array")
-                off += 8 + struct.unpack_from("<Q", buf, off)[0]
-            self._take(off - self._off)
-            return strings
-        raise ValueError(f"unsupported metadata array element type {etype}")
+            return np.frombuffer(self._buf, dtype, count, self._take(count * dtype.itemsize)).tolist()
+        if count * 8 > self._size:
+            raise ValueError(f"metadata {key!r}: {count} strings cannot fit in the file")
+        strings = _Strings(self._off, count)
+        buf, off, size = self._buf, self._off, self._size
+        for _ in range(count):  # skip them: each is a u64 length and its bytes
+            if off + 8 > size:
+                raise ValueError(f"metadata {key!r}: truncated string array")
+            off += 8 + struct.unpack_from("<Q", buf, off)[0]
+        self._take(off - self._off)
+        return strings
 
     def _decode_strings(self, s: _Strings) -> list[str]:
         out, buf, off = [], self._buf, s.offset

@@ -21,7 +21,9 @@ def _same_as_gguf(path) -> GGUFFile:
     keys = [k for k in theirs.fields if not k.startswith("GGUF.")]  # the reader's own header entries
     assert ours.keys() == keys
     for key in keys:
-        assert ours.get(key) == theirs.fields[key].contents(), key
+        field = theirs.fields[key]
+        assert ours.get(key) == field.contents(), key
+        assert ours.value_type(key) == (field.types[0], field.types[-1] if len(field.types) > 1 else None), key
     assert len(ours.tensors) == len(theirs.tensors)
     for a, b in zip(ours.tensors, theirs.tensors):
         assert (a.name, a.tensor_type, a.n_elements, a.n_bytes, a.data_offset) == \
