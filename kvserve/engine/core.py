@@ -113,12 +113,20 @@ class EngineCore:
         # Speculative decoding's drafts and counters (kvserve/spec_decode/proposer.py); None: off.
         self.spec = self._spec_proposer(config)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.connector, self._grammar_ready,
-                                   self.spec.propose if self.spec is not None else None)
+                                   self._propose if self.spec is not None else None)
         self.errors: dict[str, str] = {}  # requests that failed in the engine (not on input): id -> why
         self.processor = OutputProcessor(self.tokenizer)
         self.check_integrity = config.check_integrity
         self._ids = itertools.count()
         self._in_flight: deque[tuple[SchedulerOutput, Future]] = deque()  # pipeline parallel's batches
+
+    def _propose(self, req: Request, num_decodes: int) -> list[int]:
+        """The scheduler's drafts for a request (kvserve/spec_decode/proposer.py); a constrained
+        request's are cut where its grammar would refuse them."""
+        drafts = self.spec.propose(req, num_decodes)
+        if drafts and req.sampling_params.structured_outputs is not None:
+            drafts = self.structured.fit_drafts(req.request_id, drafts)
+        return drafts
 
     def _spec_proposer(self, config: EngineConfig) -> SpecDecodeProposer | None:
         if not config.speculative.enabled:
@@ -435,18 +443,20 @@ class EngineCore:
         for rid in so.finished_req_ids:
             st.release(rid)
         reqs = self.scheduler.requests
-        sampling = [rid for rid in so.num_scheduled_tokens
-                    if (r := reqs.get(rid)) is not None and r.num_computed_tokens == r.num_tokens]
-        so.grammar = st.bitmask(sampling)
+        sampling = [rid for rid in so.num_scheduled_tokens  # (drafts: past the end by their number)
+                    if (r := reqs.get(rid)) is not None and r.num_computed_tokens >= r.num_tokens]
+        so.grammar = st.bitmask(sampling, so.draft_token_ids)
         if not so.num_scheduled_tokens and st.pending:
             st.wait(0.01)  # only requests whose grammar compiles: don't spin
 
-    def _accept_grammar(self, updated: list[Request]) -> dict[str, str]:
-        """Advance each constrained sequence's matcher by its new token; a sequence whose grammar
-        ended finishes as stopped. Returns those whose token the grammar rejected (id -> why)."""
+    def _accept_grammar(self, updated: list[Request], before: dict[str, int]) -> dict[str, str]:
+        """Advance each constrained sequence's matcher by its new tokens (`before`: its output
+        length before the step); a sequence whose grammar ended finishes as stopped. Returns those
+        whose token the grammar rejected (id -> why)."""
         if self._structured is None:
             return {}
-        tokens = {r.request_id: r.output_token_ids[-1] for r in updated if r.output_token_ids}
+        tokens = {r.request_id: r.output_token_ids[before.get(r.request_id, r.num_output_tokens - 1):]
+                  for r in updated if r.output_token_ids}
         terminated, failed = self._structured.accept(tokens)
         self.scheduler.finish_requests(terminated, RequestStatus.FINISHED_STOPPED)
         return failed
@@ -465,8 +475,10 @@ class EngineCore:
             for rid, drafts in so.draft_token_ids.items():
                 if rid in ro.sampled:
                     self.spec.observe(rid, len(drafts), len(ro.sampled[rid]) - 1)
+        reqs = self.scheduler.requests
+        before = {rid: r.num_output_tokens for rid in ro.sampled if (r := reqs.get(rid)) is not None}
         updated = self.scheduler.update(so, ro.sampled) + self._finish_pooled(ro)
-        rejected = self._accept_grammar(updated)
+        rejected = self._accept_grammar(updated, before)
         outputs, stopped = self.processor.process(updated, ro)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self._fail(rejected)

@@ -9,8 +9,11 @@ scheduler rolls `num_computed_tokens` back over the rejected drafts. Drafts neve
 request's token list, so the prefix cache and the KV manager only ever register blocks of
 accepted tokens.
 
-A request does not draft when its output is constrained by a grammar (the drafts would have to
-walk the matcher), when it is an embedding request, or within one token of its limit.
+A request constrained by a grammar drafts by n-gram lookup: the engine cuts its drafts where the
+grammar would refuse them (StructuredOutputManager.fit_drafts) and the step carries a mask row per
+draft prefix (verification samples under them). With a draft model it does not draft: the draft
+model would sample without the grammar. A request does not draft either when it is an embedding
+request, or within one token of its limit.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class SpecDecodeProposer:
     def propose(self, req: Request, num_decodes: int) -> list[int]:
         """Up to k drafted tokens for `req`'s next step ([]: decode one token as usual)."""
         p = req.sampling_params
-        if p.structured_outputs is not None or pooling_params(p) is not None:
+        if (p.structured_outputs is not None and self.cfg.uses_draft_model) or pooling_params(p) is not None:
             return []
         # Room left: the last token's step emits at most k + 1, all within the request's limits.
         room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1

@@ -96,6 +96,17 @@ class Matcher(abc.ABC):
     def rollback(self, num_tokens: int) -> None:
         """Undo the last num_tokens accepted tokens."""
 
+    def validate(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar allows from here; the matcher does not move.
+        (Drafted tokens of speculative decoding are cut where the grammar would refuse them.)"""
+        n = 0
+        for t in tokens:
+            if not self.accept(t):
+                break
+            n += 1
+        self.rollback(n)
+        return n
+
 
 class GrammarBackend(abc.ABC):
     """Compiles constraints for one vocabulary. `compile` may run on any thread; it is the slow part."""

@@ -78,6 +78,13 @@ class GuidanceMatcher(Matcher):
     def is_terminated(self) -> bool:
         return self.ended
 
+    def validate(self, tokens: list[int]) -> int:
+        # llguidance's consume_token leaves the matcher in error on a refused token: ask it instead.
+        # A stopped grammar takes only its end token, which drafting never needs.
+        if self.ended or self.m.is_stopped():
+            return 0
+        return int(self.m.validate_tokens(tokens))
+
     def rollback(self, num_tokens: int) -> None:
         if self.ended and num_tokens:
             self.ended, num_tokens = False, num_tokens - 1

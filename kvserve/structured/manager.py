@@ -26,13 +26,17 @@ _PROMPT_TAIL = 16  # prompt tokens read for a reasoning end already there (the g
 
 
 class GrammarBitmask:
-    """Row i of `bitmask` (int32 words, bit t % 32 of word t // 32 = token t allowed) constrains the
-    sampling of req_ids[i] this step. The rows are filled on the manager's mask thread while the
-    step's forward runs; reading `bitmask` (the sampler, after the forward) waits for the fill, and
-    so does pickling it (an executor that sends the step to other processes)."""
+    """Rows of `bitmask` (int32 words, bit t % 32 of word t // 32 = token t allowed) constrain the
+    sampling of req_ids[i] this step: `counts[i]` rows each, in order (1, or a request verifying k
+    drafted tokens: k + 1, the rows after each prefix of its drafts). The rows are filled on the
+    manager's mask thread while the step's forward runs; reading `bitmask` (the sampler, after the
+    forward) waits for the fill, and so does pickling it (an executor that sends the step to other
+    processes)."""
 
-    def __init__(self, req_ids: list[str], bitmask: np.ndarray, filled: Future | None = None) -> None:
+    def __init__(self, req_ids: list[str], bitmask: np.ndarray, filled: Future | None = None,
+                 counts: list[int] | None = None) -> None:
         self.req_ids = req_ids
+        self.counts = counts if counts is not None else [1] * len(req_ids)
         self._bitmask = bitmask
         self._filled = filled
 
@@ -43,8 +47,16 @@ class GrammarBitmask:
             self._filled = None
         return self._bitmask
 
+    def first_rows(self) -> dict[str, int]:
+        """Each request's first row."""
+        out, row = {}, 0
+        for rid, n in zip(self.req_ids, self.counts):
+            out[rid] = row
+            row += n
+        return out
+
     def __getstate__(self) -> dict[str, Any]:
-        return {"req_ids": self.req_ids, "_bitmask": self.bitmask, "_filled": None}
+        return {"req_ids": self.req_ids, "counts": self.counts, "_bitmask": self.bitmask, "_filled": None}
 
 
 class _ReasoningGate:
@@ -60,6 +72,16 @@ class _ReasoningGate:
         """True once the end text has come."""
         self.tail = (self.tail + text)[-4 * len(self.end) - 64:]
         return self.end in self.tail
+
+    def opens_at(self, tokens: list[int], decode: Any) -> int | None:
+        """The index of the token among `tokens` after which the end text has come (None: not
+        within them); the gate itself does not move."""
+        probe = _ReasoningGate(self.end)
+        probe.tail = self.tail
+        for i, t in enumerate(tokens):
+            if probe.feed(decode([t])):
+                return i
+        return None
 
 
 class StructuredOutputManager:
@@ -170,49 +192,101 @@ class StructuredOutputManager:
 
     # ---- each step ------------------------------------------------------------
 
-    def bitmask(self, sampling_ids: list[str]) -> GrammarBitmask | None:
+    def fit_drafts(self, request_id: str, drafts: list[int]) -> list[int]:
+        """The longest prefix of a sequence's drafted tokens (speculative decoding) that its grammar
+        allows: a draft the grammar refuses would be rejected by verification anyway, so it is not
+        computed. Drafts while the sequence still reasons are free until the reasoning's end text;
+        the grammar checks those after it. The matcher does not move."""
+        m = self.matchers.get(request_id)
+        if m is None or m.is_terminated():
+            return []
+        self._wait_fill()  # the last step's fill may still read the matcher
+        start = 0
+        gate = self.gates.get(request_id)
+        if gate is not None:
+            opened = gate.opens_at(drafts, self.tokenizer.decode)
+            if opened is None:
+                return drafts
+            start = opened + 1
+        return drafts[:start + m.validate(drafts[start:])]
+
+    def bitmask(self, sampling_ids: list[str], drafts: dict[str, list[int]] | None = None) -> GrammarBitmask | None:
         """The rows of the constrained requests among those that sample this step (None: none),
         filled on the mask thread: the matchers are not advanced again before the step's tokens
-        come back, and the sampler waits for the fill."""
-        rids = [r for r in sampling_ids if r in self.matchers and r not in self.gates]
-        if not rids:
-            return None
-        mask = np.zeros((len(rids), (self.vocab_size + 31) // 32), dtype=np.int32)  # every backend's layout
-        matchers = [self.matchers[r] for r in rids]
-        self._last_fill = self._masks.submit(self._fill, matchers, mask)
-        return GrammarBitmask(rids, mask, self._last_fill)
-
-    def _fill(self, matchers: list[Matcher], mask: np.ndarray) -> None:
-        start = time.perf_counter()
-        for row, m in enumerate(matchers):
-            m.fill_bitmask(mask, row)
-        with self._lock:
-            self.mask_seconds += time.perf_counter() - start
-            self.mask_steps += 1
-            self.mask_rows += len(matchers)
-
-    def accept(self, tokens: dict[str, int]) -> tuple[list[str], dict[str, str]]:
-        """Advance the matchers by the tokens sampled this step. Returns the requests whose grammar
-        ended (they finish as stopped) and those whose token the grammar rejected (id -> why)."""
-        if self._last_fill is not None:  # no matcher moves while a fill still reads it
-            self._last_fill.result()
-            self._last_fill = None
-        terminated: list[str] = []
-        failed: dict[str, str] = {}
-        for rid, token in tokens.items():
-            m = self.matchers.get(rid)
+        come back, and the sampler waits for the fill. A request verifying drafts (fit_drafts cut
+        them) gets one row per prefix of its drafts: the matcher walks the drafts on the mask thread
+        and comes back; rows while it still reasons allow every token."""
+        drafts = drafts or {}
+        jobs: list[tuple[Matcher, list[int], int]] = []  # (matcher, drafts, last draft index still reasoning)
+        rids: list[str] = []
+        for rid in sampling_ids:
+            m, d = self.matchers.get(rid), drafts.get(rid, [])
             if m is None:
                 continue
             gate = self.gates.get(rid)
-            if gate is not None:  # still reasoning: the grammar starts after the end text
-                if gate.feed(self.tokenizer.decode([token])):
-                    del self.gates[rid]
+            if gate is None:
+                free = -1
+            elif not d:
                 continue
-            if not m.accept(token):
-                failed[rid] = f"structured_outputs: token {token} does not fit the grammar"
-                self.matchers.pop(rid)
-            elif m.is_terminated():
-                terminated.append(rid)
+            else:
+                opened = gate.opens_at(d, self.tokenizer.decode)
+                free = len(d) if opened is None else opened
+            rids.append(rid)
+            jobs.append((m, d, free))
+        if not rids:
+            return None
+        counts = [len(d) + 1 for _, d, _ in jobs]
+        mask = np.zeros((sum(counts), (self.vocab_size + 31) // 32), dtype=np.int32)  # every backend's layout
+        self._last_fill = self._masks.submit(self._fill, jobs, mask)
+        return GrammarBitmask(rids, mask, self._last_fill, counts)
+
+    def _fill(self, jobs: list[tuple[Matcher, list[int], int]], mask: np.ndarray) -> None:
+        start = time.perf_counter()
+        row = 0
+        for m, drafts, free in jobs:
+            walked, fits = 0, True
+            for i in range(len(drafts) + 1):  # row i: the token after drafts[:i]
+                if i - 1 > free and fits:  # drafts[i - 1] came after the reasoning: the grammar takes it
+                    fits = m.accept(drafts[i - 1])
+                    walked += fits
+                if i > free and fits:
+                    m.fill_bitmask(mask, row + i)
+                else:  # still reasoning; or after a draft the grammar refused (verification stops there)
+                    mask[row + i] = -1
+            m.rollback(walked)
+            row += len(drafts) + 1
+        with self._lock:
+            self.mask_seconds += time.perf_counter() - start
+            self.mask_steps += 1
+            self.mask_rows += row
+
+    def _wait_fill(self) -> None:
+        if self._last_fill is not None:  # no matcher moves while a fill still reads it
+            self._last_fill.result()
+            self._last_fill = None
+
+    def accept(self, tokens: dict[str, list[int]]) -> tuple[list[str], dict[str, str]]:
+        """Advance the matchers by the tokens each sequence got this step (one, or accepted drafts
+        and the token after them). Returns the requests whose grammar ended (they finish as stopped)
+        and those whose token the grammar rejected (id -> why)."""
+        self._wait_fill()
+        terminated: list[str] = []
+        failed: dict[str, str] = {}
+        for rid, toks in tokens.items():
+            m = self.matchers.get(rid)
+            for token in toks if m is not None else ():
+                gate = self.gates.get(rid)
+                if gate is not None:  # still reasoning: the grammar starts after the end text
+                    if gate.feed(self.tokenizer.decode([token])):
+                        del self.gates[rid]
+                    continue
+                if not m.accept(token):
+                    failed[rid] = f"structured_outputs: token {token} does not fit the grammar"
+                    self.matchers.pop(rid)
+                    break
+                if m.is_terminated():
+                    terminated.append(rid)
+                    break
         return terminated, failed
 
     def stats(self) -> dict[str, float | int]:

@@ -340,7 +340,7 @@ class ModelRunner:
                 n_plain = len(plain)
                 n_spec = sum(len(drafts[r]) + 1 for r in spec)
                 self._sample(plain, logits[:n_plain], out, so.grammar)
-                self._verify(spec, drafts, draft_probs, logits[n_plain:n_plain + n_spec], out)
+                self._verify(spec, drafts, draft_probs, logits[n_plain:n_plain + n_spec], out, so.grammar)
                 self._prompt_logprobs(plp, logits[len(sample_rows):], out)
         self._advance(order, so.num_scheduled_tokens)
         for rid, toks in out.sampled.items():
@@ -463,13 +463,12 @@ class ModelRunner:
                 out.logprobs[rid] = [(lp_ids[i][:k + 1], lp[i][:k + 1], ranks[i])]
 
     def _verify(self, rids: list[str], drafts: dict[str, list[int]], draft_probs: dict[str, torch.Tensor | None],
-                logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+                logits: torch.Tensor, out: ModelRunnerOutput, grammar=None) -> None:
         """Requests with k drafts: rows i = 0..k of logits are the target's distribution for the
-        token after draft[:i] (penalties and banned tokens over the history with draft[:i]);
-        verification (spec_decode/rejection.py) keeps a prefix of the drafts and samples the token
-        after it. draft_probs: a draft model's distributions [k, V] per sampled request (absent:
-        the drafts were fixed proposals). A request with drafts is never constrained by a grammar
-        (the proposer's rule)."""
+        token after draft[:i] (penalties and banned tokens over the history with draft[:i], and a
+        grammar's mask row for that prefix); verification (spec_decode/rejection.py) keeps a prefix
+        of the drafts and samples the token after it. draft_probs: a draft model's distributions
+        [k, V] per sampled request (absent: the drafts were fixed proposals)."""
         if not rids:
             return
         params, prompts, outputs, banned = [], [], [], []
@@ -483,7 +482,8 @@ class ModelRunner:
                 outputs.append(st.token_ids[st.num_prompt_tokens:st.num_prompt_tokens + n_out + i]
                                if st.params.uses_penalties else [])
                 banned.append(self._banned(st, n_out + i))
-        meta = SamplingMetadata.build(params, prompts, outputs, {}, banned, self.vocab_size, self.device)
+        meta = SamplingMetadata.build(params, prompts, outputs, {}, banned, self.vocab_size, self.device,
+                                      _bitmask_rows(grammar, rids, [len(drafts[r]) + 1 for r in rids]))
         argmax, probs, raw = self.sampler.distributions(logits, meta)
         argmax_l = argmax.tolist()
         row = 0
@@ -535,14 +535,21 @@ class ModelRunner:
                                                 zip(ids.tolist(), lps.tolist(), ranks.tolist())])
 
 
-def _bitmask_rows(grammar, rids: list[str]) -> torch.Tensor | None:
-    """The step's grammar bitmask reordered to the sampled rows; unconstrained rows allow everything."""
+def _bitmask_rows(grammar, rids: list[str], counts: list[int] | None = None) -> torch.Tensor | None:
+    """The step's grammar bitmask reordered to the sampled rows (`counts[i]` rows for rids[i]: 1, or
+    a request's k + 1 verify rows); unconstrained rows allow everything."""
     if grammar is None:
         return None
-    index = {rid: i for i, rid in enumerate(grammar.req_ids)}
-    rows = [(i, index[rid]) for i, rid in enumerate(rids) if rid in index]
-    if not rows:
+    first = grammar.first_rows()
+    counts = counts or [1] * len(rids)
+    dst, src, row = [], [], 0
+    for rid, n in zip(rids, counts):
+        if rid in first:
+            dst.extend(range(row, row + n))
+            src.extend(range(first[rid], first[rid] + n))
+        row += n
+    if not dst:
         return None
-    mask = torch.full((len(rids), grammar.bitmask.shape[1]), -1, dtype=torch.int32)
-    mask[[i for i, _ in rows]] = torch.from_numpy(grammar.bitmask[[j for _, j in rows]])
+    mask = torch.full((row, grammar.bitmask.shape[1]), -1, dtype=torch.int32)
+    mask[dst] = torch.from_numpy(grammar.bitmask[src])
     return mask

@@ -179,3 +179,14 @@ def test_guidance_closes_objects_as_xgrammar_strict_mode_does():
     assert out["properties"]["open"]["additionalProperties"] is True
     assert out["enum_holder"] == {"enum": [{"properties": {}}]}  # values, not schemas
     assert "additionalProperties" not in schema  # a copy
+
+
+def test_validate_counts_the_allowed_prefix_and_leaves_the_matcher(backend):
+    """Matcher.validate: how many drafted tokens fit (speculative decoding cuts drafts there)."""
+    m, mask = walk(backend, ConstraintKey("regex", "(ab|12)+x"), [TOK[b"ab"]])
+    assert m.validate([TOK[b"12"], TOK[b"ab"], TOK[b"c"], TOK[b"x"]]) == 2
+    assert m.validate([TOK[b"x"]]) == 1
+    assert m.validate([TOK[b"c"]]) == 0 and m.validate([]) == 0
+    m.fill_bitmask(mask, 0)  # unmoved: still right after "ab"
+    assert allowed(mask, 0) == {TOK[b"ab"], TOK[b"12"], TOK[b"x"], TOK[b"a"], TOK[b"1"]}
+    assert m.accept(TOK[b"x"]) and m.accept(EOS) and m.is_terminated()

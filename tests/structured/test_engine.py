@@ -299,14 +299,12 @@ def test_a_reasoning_end_holds_the_grammar_back_until_it_comes(llm):
         assert not st.poll()
     assert st.bitmask(["gated", "open"]).req_ids == ["open"]
     for t in tok("<think>Let me see.</")["input_ids"]:
-        assert st.accept({"gated": t}) == ([], {}) and st.bitmask(["gated"]) is None
-    for t in tok("think>")["input_ids"]:
-        st.accept({"gated": t})
+        assert st.accept({"gated": [t]}) == ([], {}) and st.bitmask(["gated"]) is None
+    st.accept({"gated": tok("think>")["input_ids"]})
     assert st.bitmask(["gated"]).req_ids == ["gated"]  # constrained from the next token
     yes = tok("yes")["input_ids"]
-    for t in yes:
-        st.accept({"gated": t})
-    assert st.accept({"gated": tok.eos_token_id}) == (["gated"], {})
+    st.accept({"gated": yes})
+    assert st.accept({"gated": [tok.eos_token_id]}) == (["gated"], {})
     st.release("gated")
     st.release("open")
     # End to end: an answer continued after the reasoning is constrained from its first token.
