@@ -57,6 +57,10 @@ class RequestOutput:
     kv_transfer_params: dict[str, Any] | None = None
     # An embedding request's pooled vector (pooling_params.py), on its finished output
     embedding: list[float] | None = None
+    # Speculative decoding (spec_decode/): tokens drafted for this request's sequences so far and
+    # those verification kept; None when the engine does not draft
+    num_draft_tokens: int | None = None
+    num_accepted_draft_tokens: int | None = None
 
 
 @dataclass

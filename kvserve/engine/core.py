@@ -115,7 +115,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.connector, self._grammar_ready,
                                    self._propose if self.spec is not None else None)
         self.errors: dict[str, str] = {}  # requests that failed in the engine (not on input): id -> why
-        self.processor = OutputProcessor(self.tokenizer)
+        self.processor = OutputProcessor(self.tokenizer, speculative=self.spec is not None)
         self.check_integrity = config.check_integrity
         self._ids = itertools.count()
         self._in_flight: deque[tuple[SchedulerOutput, Future]] = deque()  # pipeline parallel's batches
@@ -469,17 +469,19 @@ class EngineCore:
     def _finish_step(self, so: SchedulerOutput, ro: ModelRunnerOutput) -> list[RequestOutput]:
         if self.connector is not None:
             self.connector.update_connector_output(ro.kv_connector_output)
+        kept: dict[str, tuple[int, int]] = {}  # request id -> (drafted, accepted) this step
         if self.spec is not None:
             for rid in so.finished_req_ids:
                 self.spec.forget(rid)
             for rid, drafts in so.draft_token_ids.items():
                 if rid in ro.sampled:
-                    self.spec.observe(rid, len(drafts), len(ro.sampled[rid]) - 1)
+                    kept[rid] = (len(drafts), len(ro.sampled[rid]) - 1)
+                    self.spec.observe(rid, *kept[rid])
         reqs = self.scheduler.requests
         before = {rid: r.num_output_tokens for rid in ro.sampled if (r := reqs.get(rid)) is not None}
         updated = self.scheduler.update(so, ro.sampled) + self._finish_pooled(ro)
         rejected = self._accept_grammar(updated, before)
-        outputs, stopped = self.processor.process(updated, ro)
+        outputs, stopped = self.processor.process(updated, ro, kept)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self._fail(rejected)
         if self.connector is not None:

@@ -64,7 +64,9 @@ class DeltaTracker:
                                 num_cached_tokens=out.num_cached_tokens,
                                 cached_tokens_by_tier=out.num_cached_tokens_by_tier, prompt_logprobs=plp,
                                 metrics=dataclasses.asdict(m) if m is not None else None,
-                                kv_transfer_params=out.kv_transfer_params, embedding=out.embedding)
+                                kv_transfer_params=out.kv_transfer_params, embedding=out.embedding,
+                                draft_tokens=None if out.num_draft_tokens is None else
+                                [out.num_draft_tokens, out.num_accepted_draft_tokens])
 
     def _completion(self, tr: _Tracked, co) -> CompletionDeltaWire | None:
         sent = tr.completions[co.index]
@@ -95,4 +97,4 @@ class DeltaTracker:
                  for i, s in tr.completions.items() if not s.finished]
         return RequestDeltaWire(request_id=request_id, completions=comps, finished=True, num_prompt_tokens=0,
                                 num_cached_tokens=0, cached_tokens_by_tier={}, prompt_logprobs=None,
-                                metrics=None, kv_transfer_params=None, embedding=None)
+                                metrics=None, kv_transfer_params=None, embedding=None, draft_tokens=None)

@@ -33,11 +33,14 @@ class _Parent:
     num_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     finished_children: set[str] = field(default_factory=set)
     embedding: list[float] | None = None  # an embedding request's pooled vector
+    drafted: int = 0  # speculative decoding: tokens drafted for its sequences, and those kept
+    accepted: int = 0
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, speculative: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.speculative = speculative  # outputs count drafted and accepted tokens
         self.parents: dict[str, _Parent] = {}
         self.child_to_parent: dict[str, str] = {}
 
@@ -61,10 +64,11 @@ class OutputProcessor:
         parent = self.parents.get(request_id)
         return list(parent.children) if parent else []
 
-    def process(self, updated: list[Request], ro: ModelRunnerOutput
+    def process(self, updated: list[Request], ro: ModelRunnerOutput, drafts: dict[str, tuple[int, int]] | None = None
                 ) -> tuple[list[RequestOutput], list[str]]:
         """Returns the outputs of parents that changed, and the child ids that hit a stop
-        string (the engine finishes those in the scheduler)."""
+        string (the engine finishes those in the scheduler). drafts: child id -> (tokens drafted,
+        tokens kept) this step (speculative decoding)."""
         touched: dict[str, _Parent] = {}
         stopped: list[str] = []
         for rid, (first, entries) in ro.prompt_logprobs.items():
@@ -76,6 +80,9 @@ class OutputProcessor:
             parent = self.parents[self.child_to_parent[req.request_id]]
             touched[parent.request_id] = parent
             child = parent.children[req.request_id]
+            if drafts and req.request_id in drafts:
+                parent.drafted += drafts[req.request_id][0]
+                parent.accepted += drafts[req.request_id][1]
             if req.request_id in ro.pooled:  # an embedding request: no token, its vector
                 parent.embedding = ro.pooled[req.request_id]
                 child.completion.finish_reason = req.status.finish_reason
@@ -154,4 +161,6 @@ class OutputProcessor:
         outs = sorted((c.completion for c in parent.children.values()), key=lambda c: c.index)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
                              parent.prompt_logprobs, outs, finished, parent.num_cached_tokens,
-                             parent.metrics, parent.num_cached_tokens_by_tier, embedding=parent.embedding)
+                             parent.metrics, parent.num_cached_tokens_by_tier, embedding=parent.embedding,
+                             num_draft_tokens=parent.drafted if self.speculative else None,
+                             num_accepted_draft_tokens=parent.accepted if self.speculative else None)

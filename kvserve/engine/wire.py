@@ -108,6 +108,7 @@ class RequestDeltaWire(TypedDict):
     metrics: dict[str, float | None] | None
     kv_transfer_params: dict[str, Any] | None  # on the finished delta (RequestOutput's)
     embedding: list[float] | None  # an embedding request's vector, on its finished delta
+    draft_tokens: list[int] | None  # [drafted, accepted] so far (speculative decoding), or None
 
 
 class OutputsMsg(TypedDict):
@@ -219,6 +220,7 @@ class RequestDelta:
     cached_tokens_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
     kv_transfer_params: dict[str, Any] | None = None
     embedding: list[float] | None = None  # an embedding request's vector (pooling_params.py)
+    draft_tokens: tuple[int, int] | None = None  # (drafted, accepted) so far; None: no speculative decoding
 
     @classmethod
     def from_wire(cls, d: RequestDeltaWire) -> RequestDelta:
@@ -228,4 +230,5 @@ class RequestDelta:
         metrics = RequestMetrics(**d["metrics"]) if d["metrics"] is not None else None
         return cls(d["request_id"], [CompletionDelta.from_wire(c) for c in d["completions"]],
                    d["finished"], d["num_prompt_tokens"], d["num_cached_tokens"], plp, metrics,
-                   d["cached_tokens_by_tier"], d["kv_transfer_params"], d["embedding"])
+                   d["cached_tokens_by_tier"], d["kv_transfer_params"], d["embedding"],
+                   None if d["draft_tokens"] is None else tuple(d["draft_tokens"]))

@@ -31,6 +31,7 @@ class Accum:
     cached_by_tier: dict[int, dict[str, int]] = field(default_factory=dict)
     prompt_logprobs: dict[int, list] = field(default_factory=dict)
     kv_transfer_params: dict[str, Any] | None = None
+    draft_tokens: dict[int, tuple[int, int]] = field(default_factory=dict)  # per prompt: (drafted, accepted)
 
     def add(self, prompt_idx: int, d: RequestDelta) -> list[tuple[int, CompletionDelta]]:
         if d.kv_transfer_params is not None:
@@ -41,6 +42,8 @@ class Accum:
             self.cached_by_tier[prompt_idx] = d.cached_tokens_by_tier
         if d.prompt_logprobs is not None:
             self.prompt_logprobs[prompt_idx] = d.prompt_logprobs
+        if d.draft_tokens is not None:
+            self.draft_tokens[prompt_idx] = d.draft_tokens
         out = []
         for c in d.outputs:
             idx = prompt_idx * self.n + c.index
@@ -63,5 +66,11 @@ class Accum:
         blended, recomputed = by_tier.pop(BLENDED, 0), by_tier.pop(RECOMPUTED, 0)
         details = P.PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values()), cached_tokens_by_tier=by_tier,
                                         blended_tokens=blended, recomputed_tokens=recomputed)
+        spec = None
+        if self.draft_tokens:  # OpenAI's predicted-output counts: drafts kept, and drafts rejected
+            drafted = sum(d for d, _ in self.draft_tokens.values())
+            accepted = sum(a for _, a in self.draft_tokens.values())
+            spec = P.CompletionTokensDetails(accepted_prediction_tokens=accepted,
+                                             rejected_prediction_tokens=drafted - accepted)
         return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                       prompt_tokens_details=details)
+                       prompt_tokens_details=details, completion_tokens_details=spec)

@@ -313,11 +313,21 @@ class PromptTokensDetails(BaseModel):
     recomputed_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    """OpenAI's names for what speculative decoding drafted (--speculative-config): drafted tokens
+    that verification kept, and those it rejected (they cost compute; they are not in the output)."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    # null unless the engine drafts (speculative decoding)
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):

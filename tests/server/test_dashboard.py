@@ -46,15 +46,15 @@ def _prompt(seed: int) -> list[int]:
     return [rng.randrange(3, 300) for _ in range(90)]
 
 
-def _stream(base: str, seed: int) -> int:
-    """One streamed completion; the number of tokens it generated."""
+def _stream(base: str, seed: int) -> dict:
+    """One streamed completion; its final usage."""
     body = {"model": MODEL, "prompt": _prompt(seed), "max_tokens": 12, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     conn, resp = open_stream(base, "/v1/completions", body, AUTH)
     try:
         assert resp.status == 200, resp.read()
         usage = [e["usage"] for e in sse_events(resp) if isinstance(e, dict) and e.get("usage")]
-        return usage[-1]["completion_tokens"]
+        return usage[-1]
     finally:
         conn.close()
 
@@ -69,10 +69,11 @@ def test_dashboard_shows_what_metrics_counts(tiered_server, tmp_path):
     with headless_chromium(tmp_path / "profile") as driver:
         driver.get(f"{base}/dashboard?interval=0.25")
         wait_polls(driver, "server", 2)
-        generated = _stream(base, 30)
+        usages = [_stream(base, 30)]
         with ThreadPoolExecutor(3) as ex:  # three at once overflow the 16 blocks
-            generated += sum(ex.map(lambda s: _stream(base, s), [31, 32, 33]))
-        generated += _stream(base, 30)  # its blocks come back from RAM
+            usages += ex.map(lambda s: _stream(base, s), [31, 32, 33])
+        usages.append(_stream(base, 30))  # its blocks come back from RAM
+        generated = sum(u["completion_tokens"] for u in usages)
         wait_idle(base)
         m, shown = settled(driver, base, "server", STABLE + [f'{k}{{tier="cpu"}}' for k in TIER])
         save_screenshot(driver, tmp_path, "dashboard-server.png")
@@ -83,6 +84,10 @@ def test_dashboard_shows_what_metrics_counts(tiered_server, tmp_path):
         spec = [f"kvserve:spec_decode_num_{k}_total" for k in ("drafts", "draft_tokens", "accepted_tokens")]
         assert m[spec[0]] > 0 and all(shown[k] == m[k] for k in spec), [(shown.get(k), m[k]) for k in spec]
         assert shown["spec:acceptance"] == pytest.approx(m[spec[2]] / m[spec[1]], rel=1e-12)
+        # Each request's usage counts its drafts as OpenAI's predicted outputs do: kept and rejected.
+        details = [u["completion_tokens_details"] for u in usages]
+        assert sum(d["accepted_prediction_tokens"] for d in details) == m[spec[2]]
+        assert sum(d["accepted_prediction_tokens"] + d["rejected_prediction_tokens"] for d in details) == m[spec[1]]
         assert set(chart_series(driver, "server", "spec")) == {"acceptance"}
         # The charts drew the requests as they ran: tokens/s and per-poll latencies between polls.
         tokens = chart_series(driver, "server", "tokens")

@@ -45,10 +45,14 @@ def test_greedy_outputs_and_kv_cache_equal_a_plain_run(tiny_model_factory):
     plain = _llm(model, None)
     spec = _llm(model, NGRAM)
     try:
-        want = _tokens(plain.generate(prompts, params, use_tqdm=False))
-        got = _tokens(spec.generate(prompts, params, use_tqdm=False))
-        assert got == want
+        plain_outs = plain.generate(prompts, params, use_tqdm=False)
+        spec_outs = spec.generate(prompts, params, use_tqdm=False)
+        assert _tokens(spec_outs) == _tokens(plain_outs)
         stats = spec.engine.stats()
+        # Each output counts its own drafts (usage's accepted / rejected prediction tokens).
+        assert all(o.num_draft_tokens is None for o in plain_outs)
+        assert sum(o.num_draft_tokens for o in spec_outs) == stats["spec_decode_num_draft_tokens"]
+        assert sum(o.num_accepted_draft_tokens for o in spec_outs) == stats["spec_decode_num_accepted_tokens"]
         # both paths of verification ran: drafts kept and drafts rejected
         assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
         assert stats["spec_decode_num_accepted_tokens_pos_0"] >= stats["spec_decode_num_accepted_tokens_pos_3"]
