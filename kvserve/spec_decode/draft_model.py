@@ -11,9 +11,13 @@ request's temperature, top-k, top-p and min-p, whose probabilities verification 
 The draft's K/V:
 - draft_model: its own paged KV tensors, indexed by the target's block tables (one block id holds
   the same tokens in both caches), so prefix caching, preemption and freed slots need nothing of
-  their own. Each step the draft also runs every token the target runs (prompts, chunks, plain
-  decodes), so its cache keeps up; `_computed` tracks, per request, how far its K/V are its own
-  (after a fully accepted run the last draft was never fed, so the next step feeds it first).
+  their own. In a step where someone drafts, the draft also runs every token the target runs
+  (prompts, chunks, plain decodes), so its cache keeps up; `_computed` tracks, per request, how
+  far its K/V are its own, and a request's first pass feeds what it missed (after a fully
+  accepted run the last draft was never fed). A step where nobody drafts (a busy batch: the
+  proposer turns drafting off from disable_by_batch_size decodes on) does not run the draft at
+  all; the requests catch up when they draft again. Blocks first computed in such a step and then
+  found in the prefix cache by a new request hold no draft K/V: its drafts are worse there.
 - self_quantized: the target's KV cache itself (same layers, heads and layout). The draft reads
   the target's K/V of everything before, writes its own at the positions it drafts, and the
   target's verify pass overwrites all of those with its K/V before any row attends.
@@ -52,6 +56,8 @@ class ModelDrafter:
         for d in so.new_reqs:  # new, or resumed after preemption: its own tokens start where the target's do
             self._computed[d.req_id] = d.num_computed_tokens
         drafts = so.draft_token_ids
+        if not drafts:  # nobody drafts: the draft does not run (each request catches up when it drafts)
+            return {}
         sched = so.num_scheduled_tokens
         spans: dict[str, tuple[int, int]] = {}  # rid -> (first position fed, tokens fed) in the first pass
         for rid in order:

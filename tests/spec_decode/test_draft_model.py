@@ -79,3 +79,41 @@ def test_draft_configs_are_checked_by_name(models, tmp_path):
         with pytest.raises(ValueError, match=msg):
             LLM(model=str(model), speculative_config={**spec, "num_speculative_tokens": 2}, num_kv_blocks=16,
                 tensor_parallel_size=tp)
+
+
+def test_the_draft_model_sleeps_while_nobody_drafts_and_catches_up(models):
+    """From disable_by_batch_size decodes on nobody drafts, and the draft model does not run at all;
+    once a request drafts again its first pass feeds every token it missed, so its drafts are as
+    good as before (the target's int4 copy) and the outputs equal a plain run's."""
+    model, small = models
+    spec = {**_methods(model, small)["int4_copy"], "disable_by_batch_size": 2}
+    prompts = _prompts(3)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 12, 40)]
+    plain = _llm(model, None)
+    llm = _llm(model, spec)
+    try:
+        want = _tokens(plain.generate(prompts, params, use_tqdm=False))
+        drafter = llm.engine.executor.runner.drafter
+        calls = []  # per step: (drafting requests, draft passes run)
+        draft, run = drafter.draft, drafter._run
+
+        def counted_draft(runner, so, order):
+            calls.append([len(so.draft_token_ids), 0])
+            return draft(runner, so, order)
+
+        def counted_run(runner, spans):
+            calls[-1][1] += 1
+            return run(runner, spans)
+
+        drafter.draft, drafter._run = counted_draft, counted_run
+        assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+        stats = llm.engine.stats()
+    finally:
+        plain.close()
+        llm.close()
+    idle = [passes for drafting, passes in calls if drafting == 0]
+    assert idle and not any(idle)  # steps without drafts (prefills, the busy batch) ran no draft pass
+    assert any(drafting for drafting, _ in calls)
+    # ~40% kept, as when the draft runs every step; feeding a drafting request only its newest token
+    # (no catch-up) keeps none of them (checked: 0 of 78).
+    assert stats["spec_decode_num_accepted_tokens"] > stats["spec_decode_num_draft_tokens"] // 4
