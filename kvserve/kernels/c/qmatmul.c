@@ -155,17 +155,23 @@ static inline float offsets_dot(int bits, const float *c, const float *d, const 
 static inline __attribute__((always_inline)) void float_tile(
         const int MT, int bits, const uint8_t *wr, const float *d, const float *c, int64_t nb, const float *x,
         int64_t ldx, const float *xs, float *y, int64_t ldy) {
-    __m256 acc[2][TILE];
-    for (int t = 0; t < MT; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
+    /* Even blocks into a0, odd into a1, the loop unrolled by two: an accumulator picked by a runtime
+       index (acc[b & 1]) lives on the stack, and each FMA then waits on a store (3x slower). */
+    __m256 a0[TILE], a1[TILE];
+    for (int t = 0; t < MT; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b < nb; b += 2) {
         __m256 w[4];
         block_floats(wr, b, bits, w);
         const __m256 dv = _mm256_set1_ps(d[b]);
-        __m256 *a = acc[b & 1];
-        for (int t = 0; t < MT; ++t) a[t] = _mm256_fmadd_ps(block_dot(w, x + t * ldx + b * 32), dv, a[t]);
+        for (int t = 0; t < MT; ++t) a0[t] = _mm256_fmadd_ps(block_dot(w, x + t * ldx + b * 32), dv, a0[t]);
+        if (b + 1 == nb) break;
+        block_floats(wr, b + 1, bits, w);
+        const __m256 ev = _mm256_set1_ps(d[b + 1]);
+        for (int t = 0; t < MT; ++t) a1[t] = _mm256_fmadd_ps(block_dot(w, x + t * ldx + b * 32 + 32), ev, a1[t]);
     }
     for (int t = 0; t < MT; ++t)
-        y[t * ldy] = hsum8(_mm256_add_ps(acc[0][t], acc[1][t])) + offsets_dot(bits, c, d, xs + t * nb, nb);
+        y[t * ldy] = hsum8(_mm256_add_ps(a0[t], a1[t])) + offsets_dot(bits, c, d, xs + t * nb, nb);
 }
 /* One token (M = 1), row by row: the tiled loops below without their per-token bookkeeping. Two
    accumulators (even and odd blocks) halve the chain of dependent FMAs the loop waits on. */
@@ -304,6 +310,46 @@ static inline __m256i int8_block(const uint8_t *wr, int64_t b, int bits, const i
     const __m256i sgn = _mm256_loadu_si256((const __m256i *)(wr + b * 32));
     return dot_u8s8(_mm256_sign_epi8(sgn, sgn), _mm256_sign_epi8(xv, sgn));
 }
+/* Block e's products with MT tokens of int8 activations into a[t] (the block's codes unpacked once);
+   sc [MT, nb]: d[b] xd[t, b]. */
+static inline __attribute__((always_inline)) void int8_block_tile(
+        const int MT, int bits, const uint8_t *wr, int64_t e, const float *sc, int64_t nb, int64_t K,
+        const int8_t *xq, __m256 *a) {
+    if (bits == 4) {  /* nibbles 0..15 (unsigned) x int8; the centring comes from xk */
+        const __m256i u = unpack_q4(wr + e * 16);
+        for (int t = 0; t < MT; ++t) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + t * K + e * 32));
+            a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, xv)), _mm256_broadcast_ss(sc + t * nb + e), a[t]);
+        }
+    } else {  /* the code's sign moved onto x: u8 x s8 products, as maddubs / dpbusd take them */
+        const __m256i sgn = _mm256_loadu_si256((const __m256i *)(wr + e * 32)), u = _mm256_sign_epi8(sgn, sgn);
+        for (int t = 0; t < MT; ++t) {
+            const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + t * K + e * 32)), sgn);
+            a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, xv)), _mm256_broadcast_ss(sc + t * nb + e), a[t]);
+        }
+    }
+}
+/* One weight row against MT tokens of int8 activations; each token sums as gemv_int8 does (even
+   and odd blocks, d[b] xd[b], then the centring and offset terms), unrolled by two as float_tile
+   says why. */
+static inline __attribute__((always_inline)) void int8_tile(
+        const int MT, int bits, const uint8_t *wr, const float *d, const float *c, int64_t nb, int64_t K,
+        const int8_t *xq, const float *xd, const float *xs, const float *xk, float *y, int64_t ldy) {
+    float *sc = thread_scratch((size_t)(MT * nb));
+    for (int t = 0; t < MT; ++t) mul_f32(d, xd + t * nb, sc + t * nb, nb);
+    __m256 a0[TILE], a1[TILE];
+    for (int t = 0; t < MT; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 2) {
+        int8_block_tile(MT, bits, wr, b, sc, nb, K, xq, a0);
+        if (b + 1 == nb) break;
+        int8_block_tile(MT, bits, wr, b + 1, sc, nb, K, xq, a1);
+    }
+    for (int t = 0; t < MT; ++t) {
+        float cs = bits == 4 ? dot_f32(d, xk + t * nb, nb) : 0.f;
+        if (c) cs += dot_f32(c, xs + t * nb, nb);
+        y[t * ldy] = hsum8(_mm256_add_ps(a0[t], a1[t])) + cs;
+    }
+}
 static void gemv_int8(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t K, const int8_t *xq,
                       const float *xd, const float *xs, const float *xk, float *y, int64_t n0, int64_t n1) {
     const int64_t nb = K / 32, row_bytes = bits == 4 ? K / 2 : K;
@@ -360,20 +406,29 @@ static inline __m256i dot_i16(const __m256i w[2], const int16_t *xv) {
 static inline __attribute__((always_inline)) void int16_tile(
         const int MT, int bits, const uint8_t *wr, const float *d, const float *c, int64_t nb, int64_t K,
         const int16_t *xq, const float *xd, const float *xs, const float *xk, float *y, int64_t ldy) {
-    __m256 acc[2][TILE];  /* even and odd blocks, as gemv_int16 sums one token */
-    for (int t = 0; t < MT; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
+    /* even and odd blocks, as gemv_int16 sums one token; unrolled by two as float_tile says why.
+       d[b] xd[t, b] for the row comes first (one broadcast per block and token below). */
+    float *sc = thread_scratch((size_t)(MT * nb));
+    for (int t = 0; t < MT; ++t) mul_f32(d, xd + t * nb, sc + t * nb, nb);
+    __m256 a0[TILE], a1[TILE];
+    for (int t = 0; t < MT; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b < nb; b += 2) {
         __m256i w[2];
         block_i16(wr, b, bits, w);
-        __m256 *a = acc[b & 1];
         for (int t = 0; t < MT; ++t)
-            a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_i16(w, xq + t * K + b * 32)),
-                                   _mm256_set1_ps(d[b] * xd[t * nb + b]), a[t]);
+            a0[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_i16(w, xq + t * K + b * 32)),
+                                    _mm256_broadcast_ss(sc + t * nb + b), a0[t]);
+        if (b + 1 == nb) break;
+        block_i16(wr, b + 1, bits, w);
+        for (int t = 0; t < MT; ++t)
+            a1[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_i16(w, xq + t * K + b * 32 + 32)),
+                                    _mm256_broadcast_ss(sc + t * nb + b + 1), a1[t]);
     }
     for (int t = 0; t < MT; ++t) {
         float cs = c ? dot_f32(c, xs + t * nb, nb) : 0.f;
         if (bits == 4) cs += dot_f32(d, xk + t * nb, nb);
-        y[t * ldy] = hsum8(_mm256_add_ps(acc[0][t], acc[1][t])) + cs;
+        y[t * ldy] = hsum8(_mm256_add_ps(a0[t], a1[t])) + cs;
     }
 }
 /* One token, row by row, two accumulators (even and odd blocks) as gemv_float. */
@@ -466,37 +521,18 @@ static void qgemm_int8act(int bits, const uint8_t *wq, const float *wd, const fl
         const float *d = wd + n * nb, *c = wc ? wc + n * nb : 0;
         for (int64_t m0 = 0; m0 < M; m0 += TILE) {
             const int mt = M - m0 < TILE ? (int)(M - m0) : TILE;
-            float cs[TILE] = {0.f, 0.f, 0.f, 0.f};
 #if defined(__AVX2__)
-            float sc[TILE * nb];  /* d[b] * xd[b] of each token: one broadcast per block below */
-            for (int t = 0; t < mt; ++t) mul_f32(d, xd + (m0 + t) * nb, sc + t * nb, nb);
-            __m256 acc[2][TILE];  /* even and odd blocks, as gemv_int8 sums one token */
-            for (int t = 0; t < TILE; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
-            if (bits == 4) {  /* nibbles 0..15 (unsigned) x int8; the centring comes from xk */
-                for (int64_t b = 0; b < nb; ++b) {
-                    const __m256i u = unpack_q4(wr + b * 16);
-                    __m256 *a = acc[b & 1];
-                    for (int t = 0; t < mt; ++t) {
-                        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (m0 + t) * K + b * 32));
-                        a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, xv)), _mm256_broadcast_ss(sc + t * nb + b), a[t]);
-                    }
-                }
-                for (int t = 0; t < mt; ++t) cs[t] = dot_f32(d, xk + (m0 + t) * nb, nb);
-            } else {
-                for (int64_t b = 0; b < nb; ++b) {
-                    const __m256i sgn = _mm256_loadu_si256((const __m256i *)(wr + b * 32)), u = _mm256_sign_epi8(sgn, sgn);
-                    __m256 *a = acc[b & 1];
-                    for (int t = 0; t < mt; ++t) {
-                        /* the code's sign moved onto x: u8 x s8 products, as maddubs / dpbusd take them */
-                        const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + (m0 + t) * K + b * 32)), sgn);
-                        a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, xv)), _mm256_broadcast_ss(sc + t * nb + b), a[t]);
-                    }
-                }
+            const int8_t *xt = xq + m0 * K;
+            const float *xdt = xd + m0 * nb, *xst = xs + m0 * nb, *xkt = xk + m0 * nb;
+            float *yt = y + m0 * ldy + n;
+            switch (mt) {  /* a constant token count keeps the accumulators in registers */
+                case 4: int8_tile(4, bits, wr, d, c, nb, K, xt, xdt, xst, xkt, yt, ldy); break;
+                case 3: int8_tile(3, bits, wr, d, c, nb, K, xt, xdt, xst, xkt, yt, ldy); break;
+                case 2: int8_tile(2, bits, wr, d, c, nb, K, xt, xdt, xst, xkt, yt, ldy); break;
+                default: int8_tile(1, bits, wr, d, c, nb, K, xt, xdt, xst, xkt, yt, ldy);
             }
-            if (c) for (int t = 0; t < mt; ++t) cs[t] += dot_f32(c, xs + (m0 + t) * nb, nb);
-            for (int t = 0; t < mt; ++t) y[(m0 + t) * ldy + n] = hsum8(_mm256_add_ps(acc[0][t], acc[1][t])) + cs[t];
 #else
-            float acc[TILE] = {0.f, 0.f, 0.f, 0.f};
+            float acc[TILE] = {0.f, 0.f, 0.f, 0.f}, cs[TILE] = {0.f, 0.f, 0.f, 0.f};
             for (int64_t b = 0; b < nb; ++b) {
                 int8_t w[32];
                 codes_of(wr, b, bits, w);
