@@ -19,6 +19,10 @@ def _is_num(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+# extra_args key: the output a request expects, as token ids (OpenAI's `prediction`, predicted
+# outputs); with --speculative-config ngram its drafts come from it too (spec_decode/proposer.py).
+PREDICTION = "prediction"
+
 @dataclass
 class StructuredOutputsParams:
     """A constraint on the generated text, as vLLM (v0.12+) spells it: exactly one of `json`
@@ -93,7 +97,7 @@ class SamplingParams:
     # A grammar the output must follow (kvserve/structured/); a dict is converted on construction.
     structured_outputs: StructuredOutputsParams | None = None
     # Arguments for parts of the engine beyond sampling, as vLLM's extra_args: "kv_transfer_params"
-    # (disagg/params.py). Must survive msgpack: plain JSON values.
+    # (disagg/params.py), PREDICTION (spec_decode/proposer.py). Must survive msgpack: plain JSON values.
     extra_args: dict[str, Any] | None = None
     # Normalised copy of `stop` (always a list); filled in __post_init__.
     stop_strings: list[str] = field(default_factory=list, init=False, repr=False)

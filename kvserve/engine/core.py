@@ -31,8 +31,8 @@ from kvserve.models.loader import Checkpoint, open_checkpoint, resolve_dtype
 from kvserve.outputs import RequestOutput
 from kvserve.pooling_params import pooling_params, with_default_pooling
 from kvserve.request import Request, RequestStatus
-from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode.proposer import SpecDecodeProposer
+from kvserve.sampling_params import PREDICTION, SamplingParams
+from kvserve.spec_decode.proposer import SpecDecodeProposer, check_prediction
 from kvserve.structured import StructuredOutputManager
 from kvserve.worker.kv_blocks import whole_block_shape
 from kvserve.worker.model_runner import ModelRunnerOutput, kv_bytes_per_block, kv_dtype_of
@@ -319,6 +319,7 @@ class EngineCore:
         connectors.check_request_keys(params, self.connector_parts)
         if self.connector is not None:
             self.connector.validate_request(params, n_prompt)
+        check_prediction((params.extra_args or {}).get(PREDICTION), self.vocab_size)
         if n_prompt >= self.max_model_len:
             raise ValueError(f"prompt is {n_prompt} tokens, which leaves no room to generate within "
                              f"max_model_len={self.max_model_len}")

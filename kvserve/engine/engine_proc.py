@@ -222,7 +222,8 @@ def ready_message(engine, config: EngineConfig) -> dict[str, Any]:
                      eos_token_id=engine.eos_token_id, pid=os.getpid(), max_logprobs=engine.max_logprobs,
                      kv_events=kv_events_info(engine),
                      generation_defaults=engine.generation_defaults,
-                     blend=blend_info(config.blend, engine.hf_config.num_hidden_layers))
+                     blend=blend_info(config.blend, engine.hf_config.num_hidden_layers),
+                     speculative_method=config.speculative.method if config.speculative.enabled else None)
     return {"type": READY, **asdict(info)}
 
 

@@ -80,6 +80,8 @@ class ModelInfo:
     # With --enable-blending: the BlendConfig's fields and num_layers, what the server marks and checks
     # chunks by; None: off
     blend: dict[str, Any] | None = None
+    # --speculative-config's method (ngram, draft_model, self_quantized); None: no drafts
+    speculative_method: str | None = None
 
 
 # One logprob position on the wire: [[token_id, logprob, rank, decoded_token], ...],

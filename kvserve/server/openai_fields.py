@@ -59,7 +59,9 @@ CHAT_FIELDS: dict[str, Policy] = {
     "prompt_cache_options": (IGNORED, "a provider's prompt-cache settings; here the KV tiers decide"),
     "safety_identifier": (IGNORED, "an end-user id for the provider's abuse monitoring; this server keeps no "
                                    "per-user record"),
-    "prediction": (IGNORED, "predicted output only lowers a provider's latency; the answer is the same without it"),
+    "prediction": (HONOURED, "predicted output: with --speculative-config ngram, drafts come from it too "
+                             "(usage counts accepted / rejected prediction tokens); otherwise checked and "
+                             "dropped, since the answer is the same without it"),
     "tools": (HONOURED, "function tools, rendered by the chat template or kvserve's default format "
                         "(kvserve/chat_tools.py)"),
     "tool_choice": (HONOURED, "none, auto (needs --tool-call-parser), required, or a named function "

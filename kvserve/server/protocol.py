@@ -240,6 +240,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None  # predicted output: drafts for --speculative-config ngram
     # accepted and ignored (openai_fields.py says why)
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -248,7 +249,6 @@ class ChatCompletionRequest(_SamplingFields):
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = None
-    prediction: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoiceInput = None
     parallel_tool_calls: bool | None = None

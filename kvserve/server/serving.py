@@ -26,12 +26,12 @@ from kvserve.blend.chunks import check_blend_spec, make_spec
 from kvserve.config import BlendConfig
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, KVLoadError
 from kvserve.engine.wire import CompletionDelta, RequestDelta
-from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+from kvserve.sampling_params import PREDICTION, SamplingParams, StructuredOutputsParams
 from kvserve.server import protocol as P
 from kvserve.server.accum import Accum
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.prompts import (PromptError, TextLimits, chat_prompt_ids, completion_prompts, encode_prompt,
-                                    text_limits)
+from kvserve.server.prompts import (PromptError, TextLimits, chat_prompt_ids, check_prompt_text, completion_prompts,
+                                    encode_prompt, text_limits)
 from kvserve.server.tokenizer_pool import TokenizerPool
 
 RETRY_AFTER_S = 1
@@ -182,6 +182,30 @@ class Serving:
             name = str(e).split(" ", 1)[0]
             known = name in P.CompletionRequest.model_fields or name in P.ChatCompletionRequest.model_fields
             raise APIError(400, str(e), param=name if known else None) from None
+
+    async def with_prediction(self, params: SamplingParams, prediction: dict[str, Any] | None) -> SamplingParams:
+        """OpenAI's predicted output ({"type": "content", "content": text or text parts}), checked;
+        where the engine drafts by n-gram lookup it is tokenized into extra_args[PREDICTION] and
+        drafts come from it (usage counts them as accepted / rejected prediction tokens); elsewhere
+        it changes no answer and is dropped."""
+        if prediction is None:
+            return params
+        if set(prediction) - {"type", "content"} or prediction.get("type") != "content":
+            raise APIError(400, 'prediction must be {"type": "content", "content": ...}', param="prediction")
+        content = prediction.get("content")
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and set(p) == {"type", "text"}
+                                             and isinstance(p["text"], str) for p in content):
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise APIError(400, "prediction.content must be a string or a list of text parts", param="prediction")
+        try:
+            check_prompt_text([content], ["prediction.content"], self.chat_limits, "prediction")
+        except PromptError as e:
+            raise APIError(400, str(e), param="prediction") from None
+        if self.info.speculative_method != "ngram" or not content:
+            return params
+        ids = await self.pool.run(functools.partial(self.tokenizer.encode, add_special_tokens=False), content)
+        return dataclasses.replace(params, extra_args={**(params.extra_args or {}), PREDICTION: ids})
 
     def check_sequences(self, num_prompts: int, n: int, field_name: str) -> None:
         """n within --max-n, and the request's sequences (prompts x n) within --max-waiting: 400 if

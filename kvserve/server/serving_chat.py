@@ -59,6 +59,7 @@ class ChatServing(Serving):
                 constraint = dataclasses.replace(constraint, reasoning_end=end)
         params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                       longest_prompt=len(toks), structured=constraint)
+        params = await self.with_prediction(params, req.prediction)
         self.check_prompt(toks, params, "messages")
         text = await self.chat_text(req.messages, **options) if self.info.blend is not None and not cut else None
         per_prompt = await self.blend_params(params, [toks], [text], req.blend, "messages")

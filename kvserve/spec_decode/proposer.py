@@ -9,6 +9,9 @@ scheduler rolls `num_computed_tokens` back over the rejected drafts. Drafts neve
 request's token list, so the prefix cache and the KV manager only ever register blocks of
 accepted tokens.
 
+A request may carry the output it expects (extra_args["prediction"], OpenAI's predicted outputs):
+n-gram lookup searches it too.
+
 A request constrained by a grammar drafts by n-gram lookup: the engine cuts its drafts where the
 grammar would refuse them (StructuredOutputManager.fit_drafts) and the step carries a mask row per
 draft prefix (verification samples under them). With a draft model it does not draft: the draft
@@ -18,12 +21,39 @@ request, or within one token of its limit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from kvserve.config import SpeculativeConfig
 from kvserve.pooling_params import pooling_params
 from kvserve.request import Request
+from kvserve.sampling_params import PREDICTION
 from kvserve.spec_decode.adaptive import AdaptiveK
 from kvserve.spec_decode.draft_model import PLACEHOLDER
 from kvserve.spec_decode.ngram import propose_ngram
+
+
+
+
+def check_prediction(value: Any, vocab_size: int) -> None:
+    """ValueError naming extra_args.prediction unless it is a list of token ids in the vocabulary."""
+    if value is None:
+        return
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ValueError(f"extra_args.{PREDICTION} must be a list of token ids")
+    bad = next((t for t in value if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"extra_args.{PREDICTION} contains {bad}, outside the vocabulary [0, {vocab_size})")
+
+
+def lookup_tokens(req: Request) -> Sequence[int]:
+    """What n-gram lookup searches: the request's tokens, with its prediction between prompt and
+    output, so a rewrite that keeps most of a given text drafts from it (verification keeps the
+    output the model's own)."""
+    pred = (req.sampling_params.extra_args or {}).get(PREDICTION)
+    if not pred:
+        return req.all_token_ids
+    return [*req.prompt_token_ids, *pred, *req.all_token_ids[req.num_prompt_tokens:]]
 
 
 class SpecDecodeProposer:
@@ -69,7 +99,7 @@ class SpecDecodeProposer:
             return []
         if self.cfg.uses_draft_model:  # the ranks' draft model fills them (draft_model.py)
             return [PLACEHOLDER] * k
-        return propose_ngram(req.all_token_ids, k, self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max)
+        return propose_ngram(lookup_tokens(req), k, self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max)
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verify step kept `accepted` of a request's `drafted` tokens."""

@@ -226,3 +226,34 @@ def test_greedy_equal_with_kv_tiers(tiny_model_factory, tmp_path):
         finally:
             llm.close()
     assert runs[0] == runs[1] == runs[2] == runs[3]
+
+
+def test_a_prediction_drafts_and_leaves_the_output_alone(tiny_model_factory):
+    """extra_args["prediction"] (OpenAI's predicted outputs): n-gram lookup searches it between the
+    prompt and the output, so a right prediction is drafted nearly whole; a wrong one changes nothing."""
+    model = tiny_model_factory("llama")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 300) for _ in range(20)] for _ in range(3)]  # nothing to copy from
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    plain = _llm(model, None)
+    spec = _llm(model, {**NGRAM, "prompt_lookup_min": 2})
+    try:
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+        bare = spec.generate(prompts, params, use_tqdm=False)
+        right = spec.generate(prompts, [SamplingParams(max_tokens=32, temperature=0, ignore_eos=True,
+                                                       extra_args={"prediction": w}) for w in want], use_tqdm=False)
+        wrong = spec.generate(prompts, [SamplingParams(max_tokens=32, temperature=0, ignore_eos=True,
+                                                       extra_args={"prediction": [7] * 40}) for _ in want],
+                              use_tqdm=False)
+        for outs in (bare, right, wrong):
+            assert [o.outputs[0].token_ids for o in outs] == want
+        kept = sum(o.num_accepted_draft_tokens for o in right)
+        assert kept >= 0.6 * sum(len(w) for w in want) and kept > 2 * sum(o.num_accepted_draft_tokens for o in bare)
+        for bad, msg in [(["a"], "must be a list of token ids"), ([10**9], "contains 1000000000, outside")]:
+            with pytest.raises(ValueError, match=f"extra_args.prediction {msg}"):
+                spec.generate([prompts[0]], SamplingParams(max_tokens=4, extra_args={"prediction": bad}),
+                              use_tqdm=False)
+        assert spec.engine.kv.num_used_blocks == 0
+    finally:
+        plain.close()
+        spec.close()

@@ -40,3 +40,31 @@ def test_speculating_server_answers_as_a_plain_one(tiny_model_factory, tmp_path)
         assert m["kvserve:spec_decode_num_drafts_total"] > 0
         assert 0 < m["kvserve:spec_decode_num_accepted_tokens_total"] <= m["kvserve:spec_decode_num_draft_tokens_total"]
         assert m['kvserve:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
+
+
+def test_a_chat_prediction_drafts_over_the_api(tiny_model_factory, tmp_path):
+    """OpenAI's `prediction` on /v1/chat/completions: with ngram drafts the predicted text is drafted
+    (usage counts accepted / rejected prediction tokens) and the answer is the one without it; a
+    malformed one is a 400 naming the field."""
+    model = str(tiny_model_factory("llama"))
+    with running_server([model, *TINY_SERVER_ARGS, "--speculative-config", SPEC], tmp_path / "spec.log") as srv:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 24,
+                "temperature": 0, "ignore_eos": True}
+        status, raw, _ = http_request("POST", f"{srv.base}/v1/chat/completions", body, timeout=60)
+        assert status == 200, raw
+        first = json.loads(raw)
+        text = first["choices"][0]["message"]["content"]
+        for prediction in ({"type": "content", "content": text},
+                           {"type": "content", "content": [{"type": "text", "text": text[:20]},
+                                                           {"type": "text", "text": text[20:]}]}):
+            status, raw, _ = http_request("POST", f"{srv.base}/v1/chat/completions",
+                                          {**body, "prediction": prediction}, timeout=60)
+            assert status == 200, raw
+            out = json.loads(raw)
+            assert out["choices"][0]["message"]["content"] == text
+            details, before = out["usage"]["completion_tokens_details"], first["usage"]["completion_tokens_details"]
+            assert details["accepted_prediction_tokens"] > max(8, before["accepted_prediction_tokens"]), (details, before)
+        for bad in ({"type": "text", "content": "x"}, {"type": "content", "content": 5},
+                    {"type": "content", "content": "x", "extra": 1}):
+            status, raw, _ = http_request("POST", f"{srv.base}/v1/chat/completions", {**body, "prediction": bad})
+            assert status == 400 and json.loads(raw)["error"]["param"] == "prediction", raw
