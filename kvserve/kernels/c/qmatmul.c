@@ -10,6 +10,10 @@
 #endif
 
 #define TILE 4
+/* tile(MT, ...) for MT = mt (1 to TILE): a constant token count keeps the accumulators in registers. */
+#define TILE_SWITCH(mt, tile, ...) do { switch (mt) { \
+        case 4: tile(4, __VA_ARGS__); break; case 3: tile(3, __VA_ARGS__); break; \
+        case 2: tile(2, __VA_ARGS__); break; default: tile(1, __VA_ARGS__); } } while (0)
 /* From this many tokens float activations take the panel GEMM (qgemm_panels). */
 #define PANEL_FROM 10
 /* The signed codes of block b of a row: nibbles minus 8, or the int8 codes. */
@@ -480,12 +484,7 @@ static void qgemm_int16act(int bits, const uint8_t *wq, const float *wd, const f
             const int16_t *xt = xq + m0 * K;
             const float *xdt = xd + m0 * nb, *xst = xs + m0 * nb, *xkt = xk + m0 * nb;
             float *yt = y + m0 * ldy + n;
-            switch (mt) {  /* a constant token count keeps the accumulators in registers */
-                case 4: int16_tile(4, bits, wr, d, c, nb, K, xt, xdt, xst, xkt, yt, ldy); break;
-                case 3: int16_tile(3, bits, wr, d, c, nb, K, xt, xdt, xst, xkt, yt, ldy); break;
-                case 2: int16_tile(2, bits, wr, d, c, nb, K, xt, xdt, xst, xkt, yt, ldy); break;
-                default: int16_tile(1, bits, wr, d, c, nb, K, xt, xdt, xst, xkt, yt, ldy);
-            }
+            TILE_SWITCH(mt, int16_tile, bits, wr, d, c, nb, K, xt, xdt, xst, xkt, yt, ldy);
 #else
             for (int t = 0; t < mt; ++t) {
                 float acc = 0.f, cs = 0.f;
@@ -525,12 +524,7 @@ static void qgemm_int8act(int bits, const uint8_t *wq, const float *wd, const fl
             const int8_t *xt = xq + m0 * K;
             const float *xdt = xd + m0 * nb, *xst = xs + m0 * nb, *xkt = xk + m0 * nb;
             float *yt = y + m0 * ldy + n;
-            switch (mt) {  /* a constant token count keeps the accumulators in registers */
-                case 4: int8_tile(4, bits, wr, d, c, nb, K, xt, xdt, xst, xkt, yt, ldy); break;
-                case 3: int8_tile(3, bits, wr, d, c, nb, K, xt, xdt, xst, xkt, yt, ldy); break;
-                case 2: int8_tile(2, bits, wr, d, c, nb, K, xt, xdt, xst, xkt, yt, ldy); break;
-                default: int8_tile(1, bits, wr, d, c, nb, K, xt, xdt, xst, xkt, yt, ldy);
-            }
+            TILE_SWITCH(mt, int8_tile, bits, wr, d, c, nb, K, xt, xdt, xst, xkt, yt, ldy);
 #else
             float acc[TILE] = {0.f, 0.f, 0.f, 0.f}, cs[TILE] = {0.f, 0.f, 0.f, 0.f};
             for (int64_t b = 0; b < nb; ++b) {
@@ -570,12 +564,7 @@ static void qgemm_floatact(int bits, const uint8_t *wq, const float *wd, const f
             (void)cs;
             const float *xt = x + m0 * ldx, *xst = xs + m0 * nb;
             float *yt = y + m0 * ldy + n;
-            switch (mt) {  /* a constant token count keeps the accumulators in registers */
-                case 4: float_tile(4, bits, wr, d, c, nb, xt, ldx, xst, yt, ldy); break;
-                case 3: float_tile(3, bits, wr, d, c, nb, xt, ldx, xst, yt, ldy); break;
-                case 2: float_tile(2, bits, wr, d, c, nb, xt, ldx, xst, yt, ldy); break;
-                default: float_tile(1, bits, wr, d, c, nb, xt, ldx, xst, yt, ldy);
-            }
+            TILE_SWITCH(mt, float_tile, bits, wr, d, c, nb, xt, ldx, xst, yt, ldy);
 #else
             float acc[TILE] = {0.f, 0.f, 0.f, 0.f};
             for (int64_t b = 0; b < nb; ++b) {
