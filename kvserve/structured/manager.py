@@ -201,6 +201,8 @@ class StructuredOutputManager:
         if m is None or m.is_terminated():
             return []
         self._wait_fill()  # the last step's fill may still read the matcher
+        if self.eos_token_id in drafts:  # a drafted end would end the grammar inside the step: it is sampled instead
+            drafts = drafts[:drafts.index(self.eos_token_id)]
         start = 0
         gate = self.gates.get(request_id)
         if gate is not None:
@@ -249,9 +251,9 @@ class StructuredOutputManager:
                 if i - 1 > free and fits:  # drafts[i - 1] came after the reasoning: the grammar takes it
                     fits = m.accept(drafts[i - 1])
                     walked += fits
-                if i > free and fits:
+                if i > free and fits and not m.is_terminated():
                     m.fill_bitmask(mask, row + i)
-                else:  # still reasoning; or after a draft the grammar refused (verification stops there)
+                else:  # still reasoning; or past a draft the grammar refused or ended on (verification stops there)
                     mask[row + i] = -1
             m.rollback(walked)
             row += len(drafts) + 1

@@ -51,6 +51,7 @@ def test_drafts_are_cut_where_the_grammar_refuses_and_rows_follow_each_prefix(ll
     drafts = good[:3] + tok("abc", add_special_tokens=False)["input_ids"]
     assert st.fit_drafts("phone", drafts) == good[:3]  # cut at the first token the grammar refuses
     assert st.fit_drafts("phone", good[:4]) == good[:4]
+    assert st.fit_drafts("phone", good[:2] + [st.eos_token_id] + good[2:4]) == good[:2]  # an end is sampled, not drafted
 
     grammar = st.bitmask(["phone"], {"phone": good[:4]})
     assert grammar.req_ids == ["phone"] and grammar.counts == [5]
