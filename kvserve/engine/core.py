@@ -478,8 +478,9 @@ class EngineCore:
                 if rid in ro.sampled:
                     kept[rid] = (len(drafts), len(ro.sampled[rid]) - 1)
                     self.spec.observe(rid, *kept[rid])
-        reqs = self.scheduler.requests
-        before = {rid: r.num_output_tokens for rid in ro.sampled if (r := reqs.get(rid)) is not None}
+        reqs = self.scheduler.requests  # output lengths before the step: the matchers take what is new
+        before = ({rid: r.num_output_tokens for rid in ro.sampled if (r := reqs.get(rid)) is not None}
+                  if self._structured is not None else {})
         updated = self.scheduler.update(so, ro.sampled) + self._finish_pooled(ro)
         rejected = self._accept_grammar(updated, before)
         outputs, stopped = self.processor.process(updated, ro, kept)
