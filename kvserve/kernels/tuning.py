@@ -201,8 +201,10 @@ def _linear_paths(m: nn.Module, dtype: torch.dtype, bf16: bool) -> dict[str, Cal
     w = m.blocks()
     x = torch.randn(GRID[-1], m.in_features, generator=torch.Generator().manual_seed(0))
     xd = x.to(dtype)
+    # each mode on the layout it runs with (int16: 4-bit rows interleaved by 8; see GroupCodesLinear.activations)
+    laid = {mode: qmatmul.relayout(w, mode == "int16") for mode in qmatmul.MODES}
     paths: dict[str, Callable[[int], object]] = {
-        mode: (lambda r, mode=mode: qmatmul.matmul(x[:r], w, mode)) for mode in qmatmul.MODES}
+        mode: (lambda r, mode=mode: qmatmul.matmul(x[:r], laid[mode], mode)) for mode in qmatmul.MODES}
     paths["dense"] = lambda r: F.linear(xd[:r], qmatmul.dequantize(w).to(dtype))
     if bf16:
         paths["dense_bf16"] = lambda r: F.linear(xd[:r].bfloat16(), qmatmul.dequantize(w).bfloat16()).to(dtype)

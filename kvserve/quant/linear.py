@@ -266,13 +266,27 @@ class GroupCodesLinear(_QuantLinear):
         w = codes.view(n, groups, self.group).float() * scale[..., None] + offset[..., None]
         return w.view(n, self.in_features).to(dtype)
 
+    @property
+    def activations(self) -> str:
+        """Blocks path: how x is multiplied (one of qmatmul.MODES). Setting it lays the weight out for
+        that mode: int16 reads 4-bit rows interleaved by 8 (qmatmul.relayout), the others row-major."""
+        return self.__dict__.get("_activations", "float32")
+
+    @activations.setter
+    def activations(self, mode: str) -> None:
+        if mode not in qmatmul.MODES:
+            raise ValueError(f"activations must be one of {qmatmul.MODES}, got {mode!r}")
+        self.__dict__["_activations"] = mode
+        if self.path == "blocks":
+            b = qmatmul.relayout(self.blocks(), mode == "int16")
+            self.codes, self.d, self.c = b.codes, b.d, b.c
+            self.__dict__["_interleaved"] = b.interleaved
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W (stored column order) in float32: an embedding lookup in a compressed table."""
         ids = ids.reshape(-1)
         if self.path == "blocks":
-            return qmatmul.reference(qmatmul.Blocks(self.codes.index_select(0, ids), self.d.index_select(0, ids),
-                                                    None if self.c is None else self.c.index_select(0, ids),
-                                                    self.bits))
+            return qmatmul.rows(self.blocks(), ids)
         if self.path in ("dequantize", "triton"):
             return self._compact_weight(torch.float32, ids)
         return self._stored_weight().index_select(0, ids)
@@ -282,7 +296,8 @@ class GroupCodesLinear(_QuantLinear):
         b = self.__dict__.get("_blocks")
         codes = self._buffers["codes"]
         if b is None or b.codes is not codes:
-            b = self.__dict__["_blocks"] = qmatmul.Blocks(codes, self._buffers["d"], self._buffers["c"], self.bits)
+            b = self.__dict__["_blocks"] = qmatmul.Blocks(codes, self._buffers["d"], self._buffers["c"], self.bits,
+                                                          self.__dict__.get("_interleaved", False))
         return b
 
     def inplace_weight(self) -> InplaceWeight | None:

@@ -120,6 +120,30 @@ def test_blocks_storage_and_int8_activations(bits):
     assert 0 < rel < 0.02, rel
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int16_activations_lay_4bit_rows_out_interleaved(bits):
+    """Choosing int16 activations interleaves a 4-bit weight's rows by 8 (the layout its kernel reads;
+    8-bit weights stay row-major); outputs, rows of the table and bytes stay those of the row-major
+    weight, and another mode lays it back out."""
+    weight = _weight("int4" if bits == 4 else "int8", 64, perm=False)
+    module = quantized_linear(weight, None, torch.float32)
+    codes = module.codes.clone()
+    x = torch.randn(5, N_IN, generator=torch.Generator().manual_seed(2))
+    ref = F.linear(x, weight.dequantize())
+    ids = torch.tensor([3, 0, N_OUT - 1])
+    nbytes = sum(b.numel() * b.element_size() for b in module.buffers())
+    module.activations = "int16"
+    assert module.blocks().interleaved == (bits == 4)
+    assert sum(b.numel() * b.element_size() for b in module.buffers()) == nbytes
+    assert float((module(x) - ref).norm() / ref.norm()) < 1e-4
+    assert torch.allclose(module.rows(ids), weight.dequantize()[ids], rtol=1e-6, atol=1e-7)
+    assert torch.allclose(module.dequantize(), weight.dequantize(), rtol=1e-6, atol=1e-7)
+    module.activations = "float32"
+    assert not module.blocks().interleaved and torch.equal(module.codes, codes)
+    with pytest.raises(ValueError, match="activations must be one of"):
+        module.activations = "int4"
+
+
 def test_int4_layout_is_detected_and_decodes_every_tail():
     """The CPU packing (ISA dependent) is recognised; full 64-row blocks and 16/32/48-row tails decode."""
     layout = _int4_layout()

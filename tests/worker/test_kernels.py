@@ -37,40 +37,58 @@ def check_qmatmul() -> list[str]:
     returns what failed (run in-process, and in a subprocess per ISA level)."""
     bad = []
     for bits in (4, 8):
-        # symmetric codes store no offsets (Blocks.c is None): the kernels' other branch
         # symmetric codes store no offsets (Blocks.c is None), and scales exact in float16 are kept
-        # so (Blocks.kind has HALF_SCALES): the kernels' other branches; 300 rows span two
-        # SCALE_ROWS chunks of widened scales per thread
+        # so (Blocks.kind has HALF_SCALES): the kernels' other branches; 300 and 296 rows span two
+        # SCALE_ROWS chunks of widened scales per thread (296: interleaved too)
         for n, k, group, sym, half in ((1, 32, 32, False, False), (37, 96, 32, False, False),
                                        (64, 800, 160, False, False), (130, 256, None, False, False),
-                                       (40, 160, 32, True, False), (300, 96, 32, True, True)):
+                                       (40, 160, 32, True, False), (300, 96, 32, True, True),
+                                       (296, 96, 32, True, True)):
             qw, w = _blocks(bits, n, k, group, symmetric=sym, half=half)
             if sym and w.c is not None or half != (w.kind != bits):
                 bad.append(f"layout: offsets {w.c is not None}, kind {w.kind} for {bits}-bit {n}x{k}")
             dense = qw.dequantize()
-            if not (torch.allclose(qmatmul.dequantize(w), dense, rtol=1e-6, atol=1e-7)
-                    and torch.allclose(qmatmul.reference(w), dense, rtol=1e-6, atol=1e-7)):
-                bad.append(f"dequantize {bits}-bit {n}x{k}")
-            for m in (1, 2, 3, 4, 5, 9, 12, 17, 130):  # 12+: the panel path; 130 spans two token chunks
-                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-                ref = F.linear(x, dense)
-                for mode, tol in (("float32", 2e-6), ("int8", 2e-2), ("int16", 1e-4)):
-                    y = qmatmul.matmul(x, w, mode)
-                    rel = float((y - ref).norm() / ref.norm())
-                    if not rel < tol:
-                        bad.append(f"{mode} {bits}-bit {n}x{k} m={m}: {rel:.2e}")
-            # Batch invariance below the panel path: each token's output is the same bits as when it
-            # runs alone (speculative decoding's verify rows equal one-token steps; greedy outputs
-            # do not depend on what shares the batch).
-            x = torch.randn(9, k, generator=torch.Generator().manual_seed(99))
-            for mode in ("float32", "int8", "int16"):
-                alone = torch.cat([qmatmul.matmul(x[i:i + 1], w, mode) for i in range(9)])
-                for m in (2, 4, 5, 9):
-                    if not torch.equal(qmatmul.matmul(x[:m], w, mode), alone[:m]):
-                        bad.append(f"batch invariance {mode} {bits}-bit {n}x{k} m={m}")
-            xs = torch.randn(5, 2 * k)[:, ::2]  # strided rows: a column slice of a wider tensor
-            if not torch.allclose(qmatmul.matmul(xs, w, "float32"), F.linear(xs, dense), rtol=1e-5, atol=1e-5):
-                bad.append(f"strided x {bits}-bit {n}x{k}")
+            bad += check_blocks(w, dense, bits, n, k)
+            if qmatmul.can_interleave(w):  # rows interleaved by 8, as 4-bit weights run int16 activations
+                wi = qmatmul.relayout(w, True)
+                bad += [f"interleaved: {b}" for b in check_blocks(wi, dense, bits, n, k)]
+                ids = torch.tensor([n - 1, 0, 5, n // 2])
+                x = torch.randn(3, k, generator=torch.Generator().manual_seed(7))
+                if not (torch.equal(qmatmul.rows(wi, ids), qmatmul.rows(w, ids))
+                        and torch.equal(qmatmul.relayout(wi, False).codes, w.codes)
+                        and all(torch.equal(qmatmul.matmul(x, wi, mode), qmatmul.matmul(x, w, mode))
+                                for mode in ("float32", "int8"))):  # they read row-major copies
+                    bad.append(f"interleaved rows / layout / other modes {n}x{k}")
+    return bad
+
+
+def check_blocks(w, dense, bits: int, n: int, k: int) -> list[str]:
+    """One weight's dequantization, products in every mode and batch invariance."""
+    bad = []
+    if not (torch.allclose(qmatmul.dequantize(w), dense, rtol=1e-6, atol=1e-7)
+            and torch.allclose(qmatmul.reference(w), dense, rtol=1e-6, atol=1e-7)):
+        bad.append(f"dequantize {bits}-bit {n}x{k}")
+    for m in (1, 2, 3, 4, 5, 9, 12, 17, 130):  # 12+: the panel path; 130 spans two token chunks
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        ref = F.linear(x, dense)
+        for mode, tol in (("float32", 2e-6), ("int8", 2e-2), ("int16", 1e-4)):
+            y = qmatmul.matmul(x, w, mode)
+            rel = float((y - ref).norm() / ref.norm())
+            if not rel < tol:
+                bad.append(f"{mode} {bits}-bit {n}x{k} m={m}: {rel:.2e}")
+    # Batch invariance below the panel path: each token's output is the same bits as when it
+    # runs alone (speculative decoding's verify rows equal one-token steps; greedy outputs
+    # do not depend on what shares the batch).
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(99))
+    for mode in ("float32", "int8", "int16"):
+        alone = torch.cat([qmatmul.matmul(x[i:i + 1], w, mode) for i in range(9)])
+        for m in (2, 4, 5, 9):
+            if not torch.equal(qmatmul.matmul(x[:m], w, mode), alone[:m]):
+                bad.append(f"batch invariance {mode} {bits}-bit {n}x{k} m={m}")
+    xs = torch.randn(5, 2 * k)[:, ::2]  # strided rows: a column slice of a wider tensor
+    for mode, tol in (("float32", 1e-5), ("int16", 1e-4)):
+        if not torch.allclose(qmatmul.matmul(xs, w, mode), F.linear(xs, dense), rtol=tol, atol=tol):
+            bad.append(f"strided x {mode} {bits}-bit {n}x{k}")
     return bad
 
 

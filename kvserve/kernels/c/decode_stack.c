@@ -48,9 +48,7 @@ KV_LAYOUT_TABLE(ds_layout,
 
 /* One thread's share [n0, n1) of the n outputs. */
 static inline void share(int64_t n, int64_t *n0, int64_t *n1) {
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    *n0 = n * t / nt;
-    *n1 = n * (t + 1) / nt;
+    row_share(n, omp_get_thread_num(), omp_get_num_threads(), n0, n1);  /* whole groups of 8 (qmatmul.c) */
 }
 
 /* y [m, L->n] (row stride ldy) = x [m, L->k] @ W.T + bias, by every thread of the region; x's
