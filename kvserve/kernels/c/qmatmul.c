@@ -494,24 +494,33 @@ static inline __m256i il_block_sum(const uint8_t *wb, const uint8_t *lo, const i
    one token: its 8 outputs. Per row: sum over blocks of d xd (sum(q x) - 8 sum(x)), even and odd
    blocks in two accumulators, then the offsets' sum c xs: the same arithmetic whichever tokens
    share the batch (tokens take the group one at a time), so outputs are batch-invariant. */
-static inline __m256 il_block(const uint8_t *wg, const float *dg, int64_t b, const uint8_t *lo, const int8_t *hi,
-                              const int32_t *cs, const float *xd, __m256 acc) {
+/* The group's 8 scales of block b: float16 read as they are (F16C), or float32. */
+static inline __m256 il_scales(const void *dg, const int HALF, int64_t b) {
+    (void)HALF;  /* (no F16C: never set) */
+#if defined(__F16C__)
+    if (HALF) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)dg + b * 8)));
+#endif
+    return _mm256_loadu_ps((const float *)dg + b * 8);
+}
+static inline __attribute__((always_inline)) __m256 il_block(
+        const uint8_t *wg, const void *dg, const int HALF, int64_t b, const uint8_t *lo, const int8_t *hi,
+        const int32_t *cs, const float *xd, __m256 acc) {
     const uint8_t *wb = wg + b * 128;
     _mm_prefetch((const char *)wb + PREFETCH_AHEAD, _MM_HINT_T0);
     _mm_prefetch((const char *)wb + PREFETCH_AHEAD + 64, _MM_HINT_T0);
     const __m256i s = _mm256_sub_epi32(il_block_sum(wb, lo + b * 32, hi + b * 32), _mm256_set1_epi32(8 * cs[b]));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(_mm256_loadu_ps(dg + b * 8), _mm256_set1_ps(xd[b])),
-                           acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(il_scales(dg, HALF, b), _mm256_set1_ps(xd[b])), acc);
 }
-static inline __m256 il_group(const uint8_t *wg, const float *dg, const float *cg, int64_t nb, const uint8_t *lo,
-                              const int8_t *hi, const int32_t *cs, const float *xd, const float *xs) {
+static inline __attribute__((always_inline)) __m256 il_group(
+        const uint8_t *wg, const void *dg, const int HALF, const float *cg, int64_t nb, const uint8_t *lo,
+        const int8_t *hi, const int32_t *cs, const float *xd, const float *xs) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), ac = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {  /* unrolled by two, as float_tile says why */
-        a0 = il_block(wg, dg, b, lo, hi, cs, xd, a0);
-        a1 = il_block(wg, dg, b + 1, lo, hi, cs, xd, a1);
+        a0 = il_block(wg, dg, HALF, b, lo, hi, cs, xd, a0);
+        a1 = il_block(wg, dg, HALF, b + 1, lo, hi, cs, xd, a1);
     }
-    if (b < nb) a0 = il_block(wg, dg, b, lo, hi, cs, xd, a0);
+    if (b < nb) a0 = il_block(wg, dg, HALF, b, lo, hi, cs, xd, a0);
     if (cg)
         for (b = 0; b < nb; ++b) ac = _mm256_fmadd_ps(_mm256_loadu_ps(cg + b * 8), _mm256_set1_ps(xs[b]), ac);
     return _mm256_add_ps(_mm256_add_ps(a0, a1), ac);
@@ -767,44 +776,41 @@ static void qgemm_dispatch(int act, int bits, const uint8_t *wq, const float *wd
 }
 
 #if defined(__AVX2__)
-/* Interleaved rows [r0, r1) (row 0 starts a group) for M tokens of int16 activations: group by group,
-   each token in turn (the group's bytes stay in cache for the next token). */
-static void il_int16(const uint8_t *wq, const float *wd, const float *wc, int64_t K, const int16_t *xq,
-                     const float *xd, const float *xs, int64_t M, float *y, int64_t ldy, int64_t r0, int64_t r1) {
+/* Interleaved rows [n0, n1) for M tokens of int16 activations, scales float16 (half) or float32 as
+   stored: group by group, each token in turn (the group's bytes stay in cache for the next one). */
+static void il_int16(const uint8_t *wq, const void *wd, int half, const float *wc, int64_t K, const int16_t *xq,
+                     const float *xd, const float *xs, int64_t M, float *y, int64_t ldy, int64_t n0, int64_t n1) {
     const int64_t nb = K / 32;
     uint8_t *sp = split_scratch((size_t)(2 * M * K + 4 * M * nb));
     uint8_t *lo = sp;
     int8_t *hi = (int8_t *)(sp + M * K);
     int32_t *cs = (int32_t *)(sp + 2 * M * K);
     split_codes(xq, M, K, lo, hi, cs);
-    for (int64_t g = r0 >> 3; g * 8 < r1; ++g) {
+    for (int64_t g = n0 >> 3; g * 8 < n1; ++g) {
         const uint8_t *wg = wq + g * nb * 128;
-        const float *dg = wd + g * nb * 8, *cg = wc ? wc + g * nb * 8 : 0;
+        const float *cg = wc ? wc + g * nb * 8 : 0;
         for (int64_t t = 0; t < M; ++t) {
             float out[8];
-            _mm256_storeu_ps(out, il_group(wg, dg, cg, nb, lo + t * K, hi + t * K, cs + t * nb, xd + t * nb,
-                                           xs + t * nb));
+            const uint8_t *l = lo + t * K;
+            const int8_t *h = hi + t * K;
+            const int32_t *c = cs + t * nb;
+            const float *d = xd + t * nb, *s = xs + t * nb;
+            _mm256_storeu_ps(out, half ? il_group(wg, (const uint16_t *)wd + g * nb * 8, 1, cg, nb, l, h, c, d, s)
+                                       : il_group(wg, (const float *)wd + g * nb * 8, 0, cg, nb, l, h, c, d, s));
             for (int i = 0; i < 8; ++i)
-                if (g * 8 + i >= r0 && g * 8 + i < r1) y[t * ldy + g * 8 + i] = out[i];
+                if (g * 8 + i >= n0 && g * 8 + i < n1) y[t * ldy + g * 8 + i] = out[i];
         }
     }
 }
 #endif
-/* Interleaved rows [r0, r1) of a chunk whose row 0 starts a group, float scales: int16 activations
-   (4-bit, AVX2) read the layout as it is; any other mode runs the row-major kernels on row-major
-   copies of 64 rows at a time (the panels of a prefill, where decoding the weight is shared by
-   many tokens anyway). */
+/* Interleaved rows [r0, r1) of a chunk whose row 0 starts a group, float scales, for modes other
+   than int16: the row-major kernels on row-major copies of 64 rows at a time (the panels of a
+   prefill, where decoding the weight is shared by many tokens anyway). */
 #define IL_COPY_ROWS 64
 static void il_chunk(int act, int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t K,
                      const float *x, int64_t ldx, const void *xq, const float *xs, int64_t M, float *y, int64_t ldy,
                      int64_t r0, int64_t r1) {
     const int64_t nb = K / 32;
-#if defined(__AVX2__)
-    if (act == ACT_INT16) {
-        il_int16(wq, wd, wc, K, (const int16_t *)xq, xs + M * nb, xs, M, y, ldy, r0, r1);
-        return;
-    }
-#endif
     uint8_t *codes = split_scratch((size_t)(IL_COPY_ROWS * (K / 2) + 2 * IL_COPY_ROWS * nb * sizeof(float)));
     float *d = (float *)(codes + IL_COPY_ROWS * (K / 2)), *c = d + IL_COPY_ROWS * nb;
     for (int64_t a = r0; a < r1; a += IL_COPY_ROWS) {
@@ -814,14 +820,25 @@ static void il_chunk(int act, int bits, const uint8_t *wq, const float *wd, cons
     }
 }
 /* Interleaved weights: rows [n0, n1) by their groups (a share may start or end inside a group: the
-   group is computed, only the share's rows are written), float16 scales widened SCALE_ROWS rows
-   at a time. */
+   group is computed, only the share's rows are written). int16 activations read them as stored;
+   other modes widen float16 scales SCALE_ROWS rows at a time for il_chunk's copies. */
+#if defined(__F16C__)
+#define HAS_F16C 1
+#else
+#define HAS_F16C 0
+#endif
 static void il_rows(int act, int bits, const uint8_t *wq, const void *wd, const float *wc, int64_t K,
                     const float *x, int64_t ldx, const void *xq, const float *xs, int64_t M, float *y, int64_t ldy,
                     int64_t n0, int64_t n1) {
     const int half = bits & HALF_SCALES;
     bits &= ~(HALF_SCALES | INTERLEAVED);
     const int64_t nb = K / 32, row_bytes = K / 2;
+#if defined(__AVX2__)
+    if (act == ACT_INT16 && (!half || HAS_F16C)) {
+        il_int16(wq, wd, half, wc, K, (const int16_t *)xq, xs + M * nb, xs, M, y, ldy, n0, n1);
+        return;
+    }
+#endif
     float *buf = half ? scale_scratch((size_t)(SCALE_ROWS * nb)) : 0;
     for (int64_t a = n0 & ~(int64_t)7; a < n1; a += SCALE_ROWS) {
         const int64_t e = a + SCALE_ROWS < n1 ? a + SCALE_ROWS : n1, whole = (e + 7) & ~(int64_t)7;
