@@ -30,11 +30,11 @@ them, AVX-512VL+VNNI or AVX-VNNI) and a plain C body elsewhere:
     from HF's), though from PANEL_FROM tokens the float panel path is faster.
 `dequantize` writes W as float32 for the dense path (when tuning finds MKL faster).
 
-Interleaved (`interleave`, for 4-bit weights that run with int16 activations): rows in groups of 8,
+Interleaved (`relayout`, for 4-bit weights that run with int16 activations): rows in groups of 8,
 each 32-weight block of a group 128 bytes, 4 chunks of 32: chunk c's byte 4 i + j is row i's byte
 4 c + j, and the scales / offsets [N / 8, K / 32, 8] likewise (the tensors keep their shapes). One
 broadcast of 4 activation bytes then serves 8 rows, a lane per row, and the int16 codes are
-multiplied as their two bytes by maddubs: 1.6-1.8x the row-major int16 kernel's GB/s at one token
+multiplied as their two bytes by maddubs: 1.2-1.5x the row-major int16 kernel's GB/s at one token
 from DRAM (c/qmatmul.c, above il_block_sum). Other modes read row-major copies made on the fly.
 """
 

@@ -472,8 +472,9 @@ static void gemv_int16(int bits, const uint8_t *wq, const float *wd, const float
    and lo x nibbles, 32 products each, and the block's sum over 8 rows stays exact in integers:
    sum(q x) = 256 sum(q hi) + sum(q lo). Per 8 rows and block: 16 maddubs, 3 maddwd, one
    conversion and one FMA, against 16 maddwd, 8 conversions and 8 FMAs row by row, and no
-   horizontal sums: 1.6-1.8x the rows' GB/s at one token from DRAM on Zen 3. The int16 sums (lo:
-   at most 4 x 2 x 255 x 15 = 30600; hi: 8 x 2 x 128 x 15 = 30720) cannot overflow. */
+   horizontal sums: 1.2-1.5x the GB/s of the row-major kernel at one token from DRAM on Zen 3
+   (scripts/bench_gemv_layout.py). The int16 sums (lo: at most 4 x 2 x 255 x 15 = 30600; hi:
+   8 x 2 x 128 x 15 = 30720) cannot overflow. */
 static inline __m256i il_block_sum(const uint8_t *wb, const uint8_t *lo, const int8_t *hi) {
     const __m256i m4 = _mm256_set1_epi8(15);
     const int32_t *l4 = (const int32_t *)lo, *h4 = (const int32_t *)hi;
@@ -757,7 +758,7 @@ enum { ACT_FLOAT = 0, ACT_INT8 = 1, ACT_INT16 = 2 };
    a 4-bit weight then takes 18 bytes per 32 weights, as in the file, instead of 20. */
 #define HALF_SCALES 16
 /* Or'ed into `bits` (4-bit codes, N a multiple of 8): the rows are interleaved by 8, codes and
-   scales / offsets alike (qmatmul.py's `interleave`; the layout above il_block_sum). */
+   scales / offsets alike (qmatmul.py's `relayout`; the layout above il_block_sum). */
 #define INTERLEAVED 32
 /* Rows whose float16 scales are widened at a time into a float buffer the kernels read: 256 rows
    of a 2048-wide weight is 16 KB, so the widened copy never leaves the core's cache. */
