@@ -491,10 +491,6 @@ static inline __m256i il_block_sum(const uint8_t *wb, const uint8_t *lo, const i
     return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(pl0, ones), _mm256_madd_epi16(pl1, ones)),
                             _mm256_madd_epi16(ph, _mm256_set1_epi16(256)));
 }
-/* One group (codes wg [nb][128], scales dg and offsets cg [nb][8], cg NULL without offsets) against
-   one token: its 8 outputs. Per row: sum over blocks of d xd (sum(q x) - 8 sum(x)), even and odd
-   blocks in two accumulators, then the offsets' sum c xs: the same arithmetic whichever tokens
-   share the batch (tokens take the group one at a time), so outputs are batch-invariant. */
 /* The group's 8 scales of block b: float16 read as they are (F16C), or float32. */
 static inline __m256 il_scales(const void *dg, const int HALF, int64_t b) {
     (void)HALF;  /* (no F16C: never set) */
@@ -512,6 +508,10 @@ static inline __attribute__((always_inline)) __m256 il_block(
     const __m256i s = _mm256_sub_epi32(il_block_sum(wb, lo + b * 32, hi + b * 32), _mm256_set1_epi32(8 * cs[b]));
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(il_scales(dg, HALF, b), _mm256_set1_ps(xd[b])), acc);
 }
+/* One group (codes wg [nb][128]; scales dg [nb][8], float16 if HALF, else float32; offsets cg
+   [nb][8], NULL without offsets) against one token: its 8 outputs. Per row: sum over blocks of d xd (sum(q x) - 8 sum(x)), even and odd
+   blocks in two accumulators, then the offsets' sum c xs: the same arithmetic whichever tokens
+   share the batch (tokens take the group one at a time), so outputs are batch-invariant. */
 static inline __attribute__((always_inline)) __m256 il_group(
         const uint8_t *wg, const void *dg, const int HALF, const float *cg, int64_t nb, const uint8_t *lo,
         const int8_t *hi, const int32_t *cs, const float *xd, const float *xs) {
@@ -528,8 +528,7 @@ static inline __attribute__((always_inline)) __m256 il_group(
 }
 #endif
 
-/* Per token, int16 codes xq [M, K] as bytes: lo (unsigned) and hi (signed), x = 256 hi + lo, and
-   each block's code sum cs [M, K/32]: a per-thread buffer, rebuilt per call. */
+/* A per-thread byte buffer kept between calls: il_int16's split codes, or il_chunk's row-major copies. */
 static uint8_t *split_scratch(size_t n) {
     static __thread uint8_t *buf;
     static __thread size_t cap;
@@ -541,6 +540,8 @@ static uint8_t *split_scratch(size_t n) {
     return buf;
 }
 #if defined(__AVX2__)
+/* Per token, int16 codes xq [M, K] as bytes: lo (unsigned) and hi (signed), x = 256 hi + lo, and
+   each block's code sum cs [M, K/32]. */
 static void split_codes(const int16_t *xq, int64_t M, int64_t K, uint8_t *lo, int8_t *hi, int32_t *cs) {
     for (int64_t i = 0; i < M * K; ++i) {
         lo[i] = (uint8_t)(xq[i] & 255);
