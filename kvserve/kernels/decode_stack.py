@@ -12,9 +12,10 @@ import ctypes
 from kvserve.kernels import build, kquant, layout
 
 # c/decode_stack.c's Lin kinds besides a blocks weight's Blocks.kind: a dense float32 weight, raw
-# GGUF K-quant rows (a KqMatrix, kquant.c).
+# GGUF K-quant rows (a KqMatrix, kquant.c). Both lie outside every Blocks.kind (bits 4 or 8 with
+# qmatmul's flags or'ed in: below 128).
 LIN_DENSE = 0
-LIN_KQUANT = 100
+LIN_KQUANT = 256
 
 
 class Lin(ctypes.Structure):

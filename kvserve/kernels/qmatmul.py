@@ -9,6 +9,11 @@ Layout (`Blocks`), one per weight [N, K], K a multiple of 32:
          unsigned ones (each rounding error of x is weighted by the code).
 Every GGUF Q4_0/Q4_1/Q8_0/Q4_K block and our int4/int8 group layouts (group sizes that are
 multiples of 32, per-channel included) map onto it exactly.
+Factored scales (KSCALES, found by `from_codes` where they hold exactly, as in a GGUF Q4_K: 6-bit
+codes times a float16 per 256 weights): d is then uint8 [N, K/256, 2, 8] (8 scale codes, 8 offset
+codes) and c float16 [N, K/256, 2] (their factors D, Dm): scale = D sc, offset = Dm m (+ 8 D sc
+centred), exact products, so the kernels compute the float32 form's bits. 18.5 bytes per 32 4-bit
+weights instead of 24 (the file's Q4_K: 18).
 
 Three ways to multiply, all in C with one AVX2 body (VNNI dot products where the ISA level has
 them, AVX-512VL+VNNI or AVX-VNNI) and a plain C body elsewhere:
@@ -52,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 HALF_SCALES = 16  # or'ed into Blocks.kind: float16 scales (c/qmatmul.c's HALF_SCALES)
 INTERLEAVED = 32  # or'ed into Blocks.kind: rows interleaved by 8 (the module docstring)
+KSCALES = 64  # or'ed into Blocks.kind: factored scales and offsets (the module docstring)
 MODES = ("float32", "int8", "int16")  # activations: exact floats, or int8 / int16 codes per 32-value block
 _i64, _vp, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {  # the two entry points; the rest of the source is static
@@ -73,20 +79,22 @@ class Blocks:
     """A weight [N, K] in the layout of the module docstring (tensors on the CPU, contiguous)."""
 
     codes: torch.Tensor  # 4-bit: uint8 [N, K/2]; 8-bit: int8 [N, K]
-    d: torch.Tensor  # float32 [N, K/32], or float16 where that holds every scale exactly
-    c: torch.Tensor | None  # float32 [N, K/32]; None where every offset is 0 (symmetric codes: Q4_0, Q8_0)
+    d: torch.Tensor  # float32 [N, K/32], or float16 where that holds every scale exactly, or factored codes (uint8)
+    c: torch.Tensor | None  # float32 [N, K/32]; None where every offset is 0 (symmetric codes: Q4_0, Q8_0);
+    #                         factored: the codes' float16 factors
     bits: int
     interleaved: bool = False  # rows interleaved by 8 (4-bit only; the module docstring)
 
     @property
     def kind(self) -> int:
-        """`bits` as the C entry points take it: HALF_SCALES or'ed in when d is float16, INTERLEAVED
-        when the rows are."""
-        return self.bits | (HALF_SCALES if self.d.dtype == torch.float16 else 0) | (INTERLEAVED if self.interleaved else 0)
+        """`bits` as the C entry points take it: HALF_SCALES or'ed in when d is float16, KSCALES when
+        the scales are factored, INTERLEAVED when the rows are."""
+        return (self.bits | (HALF_SCALES if self.d.dtype == torch.float16 else 0)
+                | (KSCALES if self.d.dtype == torch.uint8 else 0) | (INTERLEAVED if self.interleaved else 0))
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.d.shape[0], self.d.shape[1] * 32
+        return self.codes.shape[0], self.codes.shape[1] * (2 if self.bits == 4 else 1)
 
     @staticmethod
     def from_codes(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int) -> Blocks:
@@ -99,6 +107,13 @@ class Blocks:
         d = scale.float().repeat_interleave(f, 1).contiguous()
         c = offset.float().repeat_interleave(f, 1)
         q = q.to(torch.int16)
+        if bits == 4 and d.shape[1] % 8 == 0 and c.any():  # factored scales where they hold exactly (Q4_K)
+            fd, fc = _factor(d), _factor(c)
+            if fd is not None and fc is not None:
+                b = q.to(torch.uint8).view(n, k // 32, 2, 16)
+                codes = (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, k // 2)
+                sm = torch.stack([fd[0].view(n, -1, 8), fc[0].view(n, -1, 8)], 2).reshape(n, -1)
+                return Blocks(codes.contiguous(), sm.contiguous(), torch.stack([fd[1], fc[1]], -1).reshape(n, -1), 4)
         if bits == 4:  # nibbles as they are; the offset absorbs the centring 8 * scale
             b = q.to(torch.uint8).view(n, k // 32, 2, 16)
             codes = (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, k // 2)
@@ -118,6 +133,58 @@ class Blocks:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.c) if t is not None)
+
+
+_FACTOR_CODES = (63, *range(62, 0, -1), *range(64, 256))  # the largest code of 8, most likely first
+
+
+def _factor_left(g: torch.Tensor, top: torch.Tensor, left: torch.Tensor, codes: torch.Tensor,
+                 factor: torch.Tensor, tries: tuple[int, ...] = _FACTOR_CODES) -> torch.Tensor:
+    """Rows `left` of g [R, 8] factored into codes / factor (see _factor); the rows that are not."""
+    for s in tries:
+        if len(left) == 0:
+            break
+        f = (top[left] / s).half()
+        r = (g[left] / f.float()[:, None]).round()
+        ok = ((r >= 0) & (r <= 255) & (f.float()[:, None] * r == g[left])).all(1)
+        codes[left[ok]] = r[ok].to(torch.uint8)
+        factor[left[ok]] = f[ok]
+        left = left[~ok]
+    return left
+
+
+def _factor(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """t [N, nb] float32 (nb a multiple of 8) as uint8 codes [N, nb] times one float16 per 8 values
+    [N, nb / 8], exactly; None where some 8 have no such factor. A GGUF Q4_K's scales and offsets
+    are 6-bit codes times a float16: with s the largest code of 8 (63 from llama.cpp's reference
+    quantizer, sometimes less from its importance-weighted one), the factor is the largest value
+    over s, tried for each s in turn on the 8s still left. A sample of 256 is tried first, and given
+    up if none of it factors with s from 63 to 56: a t without the structure (AWQ's or GPTQ's float
+    scales) costs milliseconds."""
+    n, nb = t.shape
+    g = t.reshape(-1, 8)
+    top = g.gather(1, g.abs().argmax(1, keepdim=True)).squeeze(1)  # each 8's value of largest magnitude
+    codes = torch.zeros(g.shape, dtype=torch.uint8)
+    factor = torch.zeros(len(g), dtype=torch.float16)
+    left = top.ne(0).nonzero().squeeze(1)  # (all zero: codes 0 times 0)
+    sample = left[::max(1, len(left) // 256)]
+    rest = _factor_left(g, top, sample, codes, factor, _FACTOR_CODES[:8])
+    if len(rest) == len(sample) > 0 or len(_factor_left(g, top, rest, codes, factor)):
+        return None
+    if len(_factor_left(g, top, left, codes, factor)):
+        return None
+    return codes.view(n, nb), factor.view(n, nb // 8)
+
+
+def _float_scales(w: Blocks) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Row-major w's scales and (centred) offsets as float32 [N, K/32]: the stored ones, or the
+    factored ones multiplied out as the kernels do."""
+    if w.d.dtype != torch.uint8:
+        return w.d.float(), w.c
+    n = w.d.shape[0]
+    codes, f = w.d.view(n, -1, 2, 8).float(), w.c.view(n, -1, 2).float()
+    d = (codes[:, :, 0] * f[:, :, 0:1]).reshape(n, -1)
+    return d, (codes[:, :, 1] * f[:, :, 1:2]).reshape(n, -1) + 8 * d
 
 
 def can_interleave(w: Blocks) -> bool:
@@ -155,8 +222,7 @@ def rows(w: Blocks, ids: torch.Tensor) -> torch.Tensor:
         n, half = w.codes.shape
         g, i = ids // 8, ids % 8
         codes = w.codes.view(n // 8, half // 16, 4, 8, 4)[g, :, :, i].reshape(len(ids), half)
-        nb = w.d.shape[1]
-        d, c = (None if t is None else t.view(n // 8, nb, 8)[g, :, i] for t in (w.d, w.c))
+        d, c = (None if t is None else t.view(n // 8, t.shape[1], 8)[g, :, i] for t in (w.d, w.c))
         return reference(Blocks(codes, d, c, w.bits))
     return reference(Blocks(w.codes.index_select(0, ids), w.d.index_select(0, ids),
                             None if w.c is None else w.c.index_select(0, ids), w.bits))
@@ -197,8 +263,9 @@ def reference(w: Blocks) -> torch.Tensor:
         q = torch.cat([b & 15, b >> 4], -1).float() - 8
     else:
         q = w.codes.view(n, k // 32, 32).float()
-    w8 = q * w.d.float()[..., None]
-    return (w8 if w.c is None else w8 + w.c[..., None]).view(n, k)
+    d, c = _float_scales(w)
+    w8 = q * d[..., None]
+    return (w8 if c is None else w8 + c[..., None]).view(n, k)
 
 
 def supports(in_features: int, group_size: int, device: torch.device) -> bool:

@@ -10,14 +10,15 @@
 #include "kquant.c"
 #include "layout.h"
 
-/* else kind = bits (4 or 8) of a blocks weight; LIN_KQUANT: raw GGUF K-quant rows (kquant.c) whose
+/* else kind = a blocks weight's bits (4 or 8) with qmatmul.c's flags or'ed in (below 128, so never
+   LIN_KQUANT: 4 | INTERLEAVED | KSCALES is 100); LIN_KQUANT: raw GGUF K-quant rows (kquant.c) whose
    parts may differ in type (a fused q/k/v of Q4_K and Q6_K), so the types live in its KqMatrix (w) */
-enum { LIN_DENSE = 0, LIN_KQUANT = 100 };
+enum { LIN_DENSE = 0, LIN_KQUANT = 256 };
 typedef struct {
     int64_t kind, act, n, k;  /* act: qmatmul's ACT_FLOAT / ACT_INT8 / ACT_INT16 */
     const void *w;          /* dense: float [n, k]; blocks: codes */
-    const void *d;          /* blocks: scales [n, k / 32], float32 or float16 (kind | HALF_SCALES) */
-    const float *c;         /* blocks: offsets [n, k / 32], or NULL */
+    const void *d;          /* blocks: scales [n, k / 32] (float32, float16) or scale codes (qmatmul.c's KSCALES) */
+    const void *c;          /* blocks: offsets [n, k / 32] or NULL, or the codes' factors (KSCALES) */
     const float *bias;      /* [n] or NULL */
 } Lin;
 typedef struct {

@@ -491,39 +491,79 @@ static inline __m256i il_block_sum(const uint8_t *wb, const uint8_t *lo, const i
     return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(pl0, ones), _mm256_madd_epi16(pl1, ones)),
                             _mm256_madd_epi16(ph, _mm256_set1_epi16(256)));
 }
+/* How a weight's scales are stored (qmatmul.py's Blocks.kind): float32, float16 (HALF_SCALES), or
+   factored (KSCALES, il_group_k). */
+enum { SC_F32 = 0, SC_F16 = 1, SC_K = 2 };
 /* The group's 8 scales of block b: float16 read as they are (F16C), or float32. */
-static inline __m256 il_scales(const void *dg, const int HALF, int64_t b) {
-    (void)HALF;  /* (no F16C: never set) */
-#if defined(__F16C__)
-    if (HALF) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)dg + b * 8)));
+static inline __m256 il_scales(const void *dg, const int SCL, int64_t b) {
+#if defined(__F16C__)  /* (no F16C: SC_F16 never reaches here) */
+    if (SCL == SC_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)dg + b * 8)));
 #endif
     return _mm256_loadu_ps((const float *)dg + b * 8);
 }
 static inline __attribute__((always_inline)) __m256 il_block(
-        const uint8_t *wg, const void *dg, const int HALF, int64_t b, const uint8_t *lo, const int8_t *hi,
+        const uint8_t *wg, const void *dg, const int SCL, int64_t b, const uint8_t *lo, const int8_t *hi,
         const int32_t *cs, const float *xd, __m256 acc) {
     const uint8_t *wb = wg + b * 128;
     _mm_prefetch((const char *)wb + PREFETCH_AHEAD, _MM_HINT_T0);
     _mm_prefetch((const char *)wb + PREFETCH_AHEAD + 64, _MM_HINT_T0);
     const __m256i s = _mm256_sub_epi32(il_block_sum(wb, lo + b * 32, hi + b * 32), _mm256_set1_epi32(8 * cs[b]));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(il_scales(dg, HALF, b), _mm256_set1_ps(xd[b])), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(il_scales(dg, SCL, b), _mm256_set1_ps(xd[b])), acc);
 }
-/* One group (codes wg [nb][128]; scales dg [nb][8], float16 if HALF, else float32; offsets cg
-   [nb][8], NULL without offsets) against one token: its 8 outputs. Per row: sum over blocks of d xd (sum(q x) - 8 sum(x)), even and odd
-   blocks in two accumulators, then the offsets' sum c xs: the same arithmetic whichever tokens
-   share the batch (tokens take the group one at a time), so outputs are batch-invariant. */
+/* One group (codes wg [nb][128]; scales dg [nb][8], float16 (SC_F16) or float32; offsets cg
+   [nb][8], NULL without offsets) against one token: its 8 outputs. Per row: sum over blocks of d xd
+   (sum(q x) - 8 sum(x)), even and odd blocks in two accumulators, then the offsets' sum c xs: the
+   same arithmetic whichever tokens share the batch (tokens take the group one at a time), so
+   outputs are batch-invariant. */
 static inline __attribute__((always_inline)) __m256 il_group(
-        const uint8_t *wg, const void *dg, const int HALF, const float *cg, int64_t nb, const uint8_t *lo,
+        const uint8_t *wg, const void *dg, const int SCL, const float *cg, int64_t nb, const uint8_t *lo,
         const int8_t *hi, const int32_t *cs, const float *xd, const float *xs) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), ac = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {  /* unrolled by two, as float_tile says why */
-        a0 = il_block(wg, dg, HALF, b, lo, hi, cs, xd, a0);
-        a1 = il_block(wg, dg, HALF, b + 1, lo, hi, cs, xd, a1);
+        a0 = il_block(wg, dg, SCL, b, lo, hi, cs, xd, a0);
+        a1 = il_block(wg, dg, SCL, b + 1, lo, hi, cs, xd, a1);
     }
-    if (b < nb) a0 = il_block(wg, dg, HALF, b, lo, hi, cs, xd, a0);
+    if (b < nb) a0 = il_block(wg, dg, SCL, b, lo, hi, cs, xd, a0);
     if (cg)
         for (b = 0; b < nb; ++b) ac = _mm256_fmadd_ps(_mm256_loadu_ps(cg + b * 8), _mm256_set1_ps(xs[b]), ac);
+    return _mm256_add_ps(_mm256_add_ps(a0, a1), ac);
+}
+/* il_group for factored scales (KSCALES; dg: the group's codes [nb / 8][sc 8, m 8][8 rows], cg:
+   their factors [nb / 8][D, Dm][8 rows] float16). The factors are read once per 256 weights and the
+   nibbles stay uncentred: per row, sum over blocks of D sc xd sum(q x), plus Dm times the offset
+   codes' sum m xs over the 256. Turning the codes into floats costs operations per block that
+   float scales do not, and at one token this kernel is bound by operations rather than bytes: 3B
+   shapes from DRAM (scripts/bench_gemv_layout.py) 6.5 ms against 7.2 for il_group on scales widened
+   per block, 7.0 on float32 scales (a third more bytes) and 5.3 for Q4_0's form (no offsets).
+   Batch-invariant as il_group. */
+static inline __m256 il_group_k(const uint8_t *wg, const uint8_t *dg, const uint16_t *cg, int64_t nb,
+                                const uint8_t *lo, const int8_t *hi, const float *xd, const float *xs) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), ac = _mm256_setzero_ps();
+    for (int64_t s = 0; s < nb / 8; ++s) {
+        const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cg + s * 16)));
+        const __m256 Dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cg + s * 16 + 8)));
+        const uint8_t *sc = dg + s * 128, *m = sc + 64;
+        __m256 ms = _mm256_setzero_ps();
+        for (int64_t j = 0; j < 8; j += 2) {
+            const int64_t b = s * 8 + j;
+            const uint8_t *wb = wg + b * 128;
+            _mm_prefetch((const char *)wb + PREFETCH_AHEAD, _MM_HINT_T0);
+            _mm_prefetch((const char *)wb + PREFETCH_AHEAD + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)wb + PREFETCH_AHEAD + 128, _MM_HINT_T0);
+            _mm_prefetch((const char *)wb + PREFETCH_AHEAD + 192, _MM_HINT_T0);
+            const __m256 s0 = _mm256_cvtepi32_ps(il_block_sum(wb, lo + b * 32, hi + b * 32));
+            const __m256 s1 = _mm256_cvtepi32_ps(il_block_sum(wb + 128, lo + b * 32 + 32, hi + b * 32 + 32));
+            const __m256 c0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + j * 8))));
+            const __m256 c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + j * 8 + 8))));
+            a0 = _mm256_fmadd_ps(s0, _mm256_mul_ps(c0, _mm256_mul_ps(D, _mm256_set1_ps(xd[b]))), a0);
+            a1 = _mm256_fmadd_ps(s1, _mm256_mul_ps(c1, _mm256_mul_ps(D, _mm256_set1_ps(xd[b + 1]))), a1);
+            const __m256 m0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m + j * 8))));
+            const __m256 m1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m + j * 8 + 8))));
+            ms = _mm256_fmadd_ps(m1, _mm256_set1_ps(xs[b + 1]), _mm256_fmadd_ps(m0, _mm256_set1_ps(xs[b]), ms));
+        }
+        ac = _mm256_fmadd_ps(Dm, ms, ac);
+    }
     return _mm256_add_ps(_mm256_add_ps(a0, a1), ac);
 }
 #endif
@@ -764,6 +804,41 @@ enum { ACT_FLOAT = 0, ACT_INT8 = 1, ACT_INT16 = 2 };
 /* Rows whose float16 scales are widened at a time into a float buffer the kernels read: 256 rows
    of a 2048-wide weight is 16 KB, so the widened copy never leaves the core's cache. */
 #define SCALE_ROWS 256
+/* Or'ed into `bits` (4-bit codes, K a multiple of 256): factored scales, as a GGUF Q4_K stores
+   them (qmatmul.py's Blocks.from_codes finds them): wd holds uint8 codes [N, K / 256][sc 8, m 8]
+   and wc float16 factors [N, K / 256][D, Dm]; interleaved, [N / 8, K / 256][16][8 rows] and
+   [N / 8, K / 256][2][8 rows]. Block b's scale is D sc[b], its offset Dm m[b] (+ 8 D sc[b]
+   centred): 18.5 bytes per 32 weights against float32's 24 (the file's: 18). */
+#define KSCALES 64
+
+/* KSCALES: rows [0, rows) of codes sm and factors sup as float32 scales d and centred offsets c
+   [rows, K / 32] in the same layout (il: interleaved by 8, rows a multiple of 8): what every kernel
+   but il_group_k reads, the float32 form's very bits. */
+static void k_widen(const uint8_t *sm, const uint16_t *sup, int64_t rows, int64_t nb, int il, float *d, float *c) {
+    const int64_t nsb = nb / 8;
+    /* units of 8 outputs: row-major, a row's 8 blocks of one 256 (one D); interleaved, a group's
+       8 rows of one block (8 D) */
+    for (int64_t u = 0; u < rows * nsb; ++u) {
+        const int64_t q = il ? u / 8 : u, bb = il ? u % 8 : 0;  /* (row or group, 256) and the block in it */
+        const uint8_t *sc = sm + q * 16 * (il ? 8 : 1) + bb * 8, *m = sc + (il ? 64 : 8);
+        const uint16_t *D = sup + q * 2 * (il ? 8 : 1), *Dm = D + (il ? 8 : 1);
+        float *dd = d + u * 8, *cc = c + u * 8;
+#if defined(__AVX2__) && defined(__F16C__)
+        const __m256 Dv = il ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)D)) : _mm256_set1_ps(_cvtsh_ss(*D));
+        const __m256 Dmv = il ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)Dm)) : _mm256_set1_ps(_cvtsh_ss(*Dm));
+        const __m256 dv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc))), Dv);
+        const __m256 mv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m)));
+        _mm256_storeu_ps(dd, dv);
+        _mm256_storeu_ps(cc, _mm256_fmadd_ps(mv, Dmv, _mm256_mul_ps(dv, _mm256_set1_ps(8.f))));
+#else
+        for (int i = 0; i < 8; ++i) {
+            const float f = half_to_float(D[il ? i : 0]), fm = half_to_float(Dm[il ? i : 0]);
+            dd[i] = f * (float)sc[i];
+            cc[i] = fm * (float)m[i] + 8.f * dd[i];  /* fm m exact: contracted or not, one rounding */
+        }
+#endif
+    }
+}
 
 static void qgemm_dispatch(int act, int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t K,
                            const float *x, int64_t ldx, const void *xq, const float *xs, int64_t M, float *y,
@@ -778,9 +853,10 @@ static void qgemm_dispatch(int act, int bits, const uint8_t *wq, const float *wd
 }
 
 #if defined(__AVX2__)
-/* Interleaved rows [n0, n1) for M tokens of int16 activations, scales float16 (half) or float32 as
-   stored: group by group, each token in turn (the group's bytes stay in cache for the next one). */
-static void il_int16(const uint8_t *wq, const void *wd, int half, const float *wc, int64_t K, const int16_t *xq,
+/* Interleaved rows [n0, n1) for M tokens of int16 activations, scales as stored (scl: SC_F32,
+   SC_F16 or SC_K): group by group, each token in turn (the group's bytes stay in cache for the
+   next one). */
+static void il_int16(const uint8_t *wq, const void *wd, int scl, const void *wc, int64_t K, const int16_t *xq,
                      const float *xd, const float *xs, int64_t M, float *y, int64_t ldy, int64_t n0, int64_t n1) {
     const int64_t nb = K / 32;
     uint8_t *sp = split_scratch((size_t)(2 * M * K + 4 * M * nb));
@@ -790,15 +866,23 @@ static void il_int16(const uint8_t *wq, const void *wd, int half, const float *w
     split_codes(xq, M, K, lo, hi, cs);
     for (int64_t g = n0 >> 3; g * 8 < n1; ++g) {
         const uint8_t *wg = wq + g * nb * 128;
-        const float *cg = wc ? wc + g * nb * 8 : 0;
         for (int64_t t = 0; t < M; ++t) {
             float out[8];
             const uint8_t *l = lo + t * K;
             const int8_t *h = hi + t * K;
             const int32_t *c = cs + t * nb;
             const float *d = xd + t * nb, *s = xs + t * nb;
-            _mm256_storeu_ps(out, half ? il_group(wg, (const uint16_t *)wd + g * nb * 8, 1, cg, nb, l, h, c, d, s)
-                                       : il_group(wg, (const float *)wd + g * nb * 8, 0, cg, nb, l, h, c, d, s));
+            __m256 o;
+            if (scl == SC_K)  /* per group: codes [2 nb][8] bytes, factors [nb / 4][8] float16 */
+                o = il_group_k(wg, (const uint8_t *)wd + g * nb * 16, (const uint16_t *)wc + g * nb * 2, nb, l, h, d,
+                               s);
+            else if (scl == SC_F16)
+                o = il_group(wg, (const uint16_t *)wd + g * nb * 8, SC_F16, wc ? (const float *)wc + g * nb * 8 : 0,
+                             nb, l, h, c, d, s);
+            else
+                o = il_group(wg, (const float *)wd + g * nb * 8, SC_F32, wc ? (const float *)wc + g * nb * 8 : 0,
+                             nb, l, h, c, d, s);
+            _mm256_storeu_ps(out, o);
             for (int i = 0; i < 8; ++i)
                 if (g * 8 + i >= n0 && g * 8 + i < n1) y[t * ldy + g * 8 + i] = out[i];
         }
@@ -829,28 +913,33 @@ static void il_chunk(int act, int bits, const uint8_t *wq, const float *wd, cons
 #else
 #define HAS_F16C 0
 #endif
-static void il_rows(int act, int bits, const uint8_t *wq, const void *wd, const float *wc, int64_t K,
+static void il_rows(int act, int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t K,
                     const float *x, int64_t ldx, const void *xq, const float *xs, int64_t M, float *y, int64_t ldy,
                     int64_t n0, int64_t n1) {
-    const int half = bits & HALF_SCALES;
-    bits &= ~(HALF_SCALES | INTERLEAVED);
+    const int half = bits & HALF_SCALES, ks = bits & KSCALES;
+    bits &= ~(HALF_SCALES | INTERLEAVED | KSCALES);
     const int64_t nb = K / 32, row_bytes = K / 2;
 #if defined(__AVX2__)
-    if (act == ACT_INT16 && (!half || HAS_F16C)) {
-        il_int16(wq, wd, half, wc, K, (const int16_t *)xq, xs + M * nb, xs, M, y, ldy, n0, n1);
+    if (act == ACT_INT16 && (!(half || ks) || HAS_F16C)) {
+        il_int16(wq, wd, ks ? SC_K : half ? SC_F16 : SC_F32, wc, K, (const int16_t *)xq, xs + M * nb, xs, M, y, ldy,
+                 n0, n1);
         return;
     }
 #endif
-    float *buf = half ? scale_scratch((size_t)(SCALE_ROWS * nb)) : 0;
+    float *buf = half || ks ? scale_scratch((size_t)(2 * SCALE_ROWS * nb)) : 0;
     for (int64_t a = n0 & ~(int64_t)7; a < n1; a += SCALE_ROWS) {
         const int64_t e = a + SCALE_ROWS < n1 ? a + SCALE_ROWS : n1, whole = (e + 7) & ~(int64_t)7;
-        const float *d = (const float *)wd + a * nb;
-        if (half) {
+        const float *d = (const float *)wd + a * nb, *c = wc ? (const float *)wc + a * nb : 0;
+        if (ks) {
+            k_widen((const uint8_t *)wd + a * nb * 2, (const uint16_t *)wc + a * nb / 4, whole - a, nb, 1, buf,
+                    buf + SCALE_ROWS * nb);
+            d = buf;
+            c = buf + SCALE_ROWS * nb;
+        } else if (half) {
             halves_to_floats((const uint16_t *)wd + a * nb, buf, (whole - a) * nb);
             d = buf;
         }
-        il_chunk(act, bits, wq + a * row_bytes, d, wc ? wc + a * nb : 0, K, x, ldx, xq, xs, M, y + a, ldy,
-                 n0 > a ? n0 - a : 0, e - a);
+        il_chunk(act, bits, wq + a * row_bytes, d, c, K, x, ldx, xq, xs, M, y + a, ldy, n0 > a ? n0 - a : 0, e - a);
     }
 }
 
@@ -864,25 +953,29 @@ static inline void row_share(int64_t N, int64_t t, int64_t nt, int64_t *n0, int6
 
 /* Outputs [n0, n1) of y = x @ W.T, x given as floats (x, ldx) and as prepared by prepare_act (xq,
    xs: sums, then scales and centring terms for int codes). One thread's share; no barrier. */
-static void qgemm_rows(int act, int bits, const uint8_t *wq, const void *wd, const float *wc, int64_t K,
+static void qgemm_rows(int act, int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t K,
                        const float *x, int64_t ldx, const void *xq, const float *xs, int64_t M, float *y,
                        int64_t ldy, int64_t n0, int64_t n1) {
     if (bits & INTERLEAVED) {
         il_rows(act, bits, wq, wd, wc, K, x, ldx, xq, xs, M, y, ldy, n0, n1);
         return;
     }
-    if (!(bits & HALF_SCALES)) {
+    if (!(bits & (HALF_SCALES | KSCALES))) {
         qgemm_dispatch(act, bits, wq, wd, wc, K, x, ldx, xq, xs, M, y, ldy, n0, n1);
         return;
     }
-    bits &= ~HALF_SCALES;
+    const int ks = bits & KSCALES;
+    bits &= ~(HALF_SCALES | KSCALES);
     const int64_t nb = K / 32, row_bytes = bits == 4 ? K / 2 : K;
-    float *buf = scale_scratch((size_t)(SCALE_ROWS * nb));
+    float *buf = scale_scratch((size_t)(2 * SCALE_ROWS * nb)), *cbuf = buf + SCALE_ROWS * nb;
     for (int64_t a = n0; a < n1; a += SCALE_ROWS) {
         const int64_t e = a + SCALE_ROWS < n1 ? a + SCALE_ROWS : n1;
-        halves_to_floats((const uint16_t *)wd + a * nb, buf, (e - a) * nb);
-        qgemm_dispatch(act, bits, wq + a * row_bytes, buf, wc ? wc + a * nb : 0, K, x, ldx, xq, xs, M, y + a, ldy,
-                       0, e - a);
+        if (ks)
+            k_widen((const uint8_t *)wd + a * nb * 2, (const uint16_t *)wc + a * nb / 4, e - a, nb, 0, buf, cbuf);
+        else
+            halves_to_floats((const uint16_t *)wd + a * nb, buf, (e - a) * nb);
+        qgemm_dispatch(act, bits, wq + a * row_bytes, buf, ks ? cbuf : wc ? (const float *)wc + a * nb : 0, K, x, ldx,
+                       xq, xs, M, y + a, ldy, 0, e - a);
     }
 }
 
@@ -903,7 +996,7 @@ static void prepare_act(int act, const float *x, int64_t ldx, int64_t M, int64_t
    ACT_INT16 quantize x per 32-value block first (scratch from malloc). From PANEL_FROM tokens
    int16 takes the float panels instead: there the weight decode is shared by many tokens, and
    exact floats cost nothing more. */
-void qlinear(int bits, const uint8_t *wq, const void *wd, const float *wc, int64_t N, int64_t K,
+void qlinear(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t N, int64_t K,
              const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy, int act, int nthreads) {
     const int64_t nb = K / 32;
     act = act_for(act, M);
@@ -920,11 +1013,21 @@ void qlinear(int bits, const uint8_t *wq, const void *wd, const float *wc, int64
     free(xs);
 }
 
-/* W [N, K] as float32 (bits may carry HALF_SCALES). */
-void dequantize(int bits, const uint8_t *wq, const void *wd, const float *wc, int64_t N, int64_t K, float *w,
+/* Row n's block b of a KSCALES weight (codes sm, factors sup; il: interleaved): its scale and
+   centred offset, as k_widen computes them. */
+static inline void k_scale_at(const uint8_t *sm, const uint16_t *sup, int64_t nb, int il, int64_t n, int64_t b,
+                              float *d, float *c) {
+    const int64_t q = (il ? n >> 3 : n) * (nb / 8) + b / 8, w = il ? 8 : 1, i = il ? n & 7 : 0;
+    const float D = half_to_float(sup[q * 2 * w + i]), Dm = half_to_float(sup[(q * 2 + 1) * w + i]);
+    *d = D * (float)sm[(q * 16 + b % 8) * w + i];
+    *c = Dm * (float)sm[(q * 16 + 8 + b % 8) * w + i] + 8.f * *d;
+}
+
+/* W [N, K] as float32 (bits may carry HALF_SCALES, KSCALES, INTERLEAVED). */
+void dequantize(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t N, int64_t K, float *w,
                 int nthreads) {
-    const int half = bits & HALF_SCALES, il = bits & INTERLEAVED;
-    bits &= ~(HALF_SCALES | INTERLEAVED);
+    const int half = bits & HALF_SCALES, il = bits & INTERLEAVED, ks = bits & KSCALES;
+    bits &= ~(HALF_SCALES | INTERLEAVED | KSCALES);
     const int64_t nb = K / 32, row_bytes = bits == 4 ? K / 2 : K;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; ++n) {
@@ -936,8 +1039,12 @@ void dequantize(int bits, const uint8_t *wq, const void *wd, const float *wc, in
             uint8_t blk[32];  /* (4-bit: 16 bytes) */
             if (il)
                 for (int ch = 0; ch < 4; ++ch) memcpy(blk + 4 * ch, wq + ((n >> 3) * nb + b) * 128 + 32 * ch + 4 * (n & 7), 4);
-            const float d = half ? half_to_float(((const uint16_t *)wd)[at]) : ((const float *)wd)[at];
-            const float c = wc ? wc[at] : 0.f;
+            float d, c;
+            if (ks) k_scale_at(wd, wc, nb, il, n, b, &d, &c);
+            else {
+                d = half ? half_to_float(((const uint16_t *)wd)[at]) : ((const float *)wd)[at];
+                c = wc ? ((const float *)wc)[at] : 0.f;
+            }
             float *o = dst + b * 32;
             int8_t code[32];
             if (il) codes_of(blk, 0, bits, code);
