@@ -19,9 +19,11 @@ LIN_KQUANT = 256
 
 
 class Lin(ctypes.Structure):
-    """c/decode_stack.c's Lin: one linear (checked against it when the library loads)."""
+    """c/decode_stack.c's Lin: one linear, or the first rows of a stacked one whose `rest` points at the
+    next part's Lin (checked against it when the library loads)."""
     _fields_ = [("kind", ctypes.c_int64), ("act", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
-                ("w", ctypes.c_void_p), ("d", ctypes.c_void_p), ("c", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+                ("w", ctypes.c_void_p), ("d", ctypes.c_void_p), ("c", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("rest", ctypes.c_void_p)]
 
 
 class Layer(ctypes.Structure):

@@ -2,7 +2,9 @@
 
 A weight is a `KqMatrix`: up to MAX_PARTS parts of consecutive output rows, each the raw GGUF rows
 (uint8 [rows, bytes per row]) of one type, so a fused q/k/v or gate/up whose parts differ in type
-(Q4_K_M's Q6_K attn_v beside Q4_K q/k) is one matrix. `matmul` quantizes the activations to int16
+(Q5_K beside Q6_K) is one matrix. (The loader hands Q4_K to qmatmul's blocks instead, which read it
+about twice as fast, and stacks the two kernels where a fused linear mixes Q4_K with Q5_K / Q6_K:
+kvserve.quant.linear.StackedLinear.) `matmul` quantizes the activations to int16
 per 32-value block and multiplies in C (decode-sized batches); `dequantize` writes W as float32 for
 the caller's F.linear (prefill-sized batches, where the matmul is compute-bound).
 """

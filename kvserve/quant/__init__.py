@@ -9,6 +9,7 @@ module (quant/linear.py). Models never see any of this.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from kvserve.layers.linear import ParallelLinear
 from kvserve.quant.base import (Fp8Weight, QuantizedWeight, QuantMethod, cat_rows, check_method, linear_prefix,
                                 quantize_rtn)
 from kvserve.quant.gguf import GGUFMethod, KQuantWeight, settle_parts
-from kvserve.quant.linear import Fp8Linear, Int4Linear, Int8Linear, quantized_linear
+from kvserve.quant.linear import Fp8Linear, Int4Linear, Int8Linear, StackedLinear, quantized_linear
 from kvserve.quant.methods import load_time_method, method_from_config, pack_fp8, pack_int8, quant_config
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 GGUF_DEFAULT = "gguf"
 
 __all__ = ["GGUF_DEFAULT", "Fp8Linear", "Int4Linear", "Int8Linear", "LinearInstaller", "LoadPlan", "gguf_plan",
-           "hf_plan", "pack_fp8", "pack_int8", "quant_config", "quantize_lm_head", "quantized_linear"]
+           "StackedLinear", "hf_plan", "pack_fp8", "pack_int8", "quant_config", "quantize_lm_head", "quantized_linear"]
 
 
 @dataclass(frozen=True)
@@ -215,6 +216,11 @@ class LinearInstaller:
         if kinds == {QuantizedWeight} and not self.plan.dequantize:
             return linear.set_kernel(quantized_linear(cat_rows(_harmonize(parts)), linear.kernel_bias, self.dtype,
                                                       self.device))
+        if kinds == {QuantizedWeight, KQuantWeight} and not self.plan.dequantize:  # each run of parts its kernel
+            runs = [list(run) for _, run in itertools.groupby(parts, type)]
+            kernels = [quantized_linear(cat_rows(_harmonize(r)) if isinstance(r[0], QuantizedWeight) else r, None,
+                                        self.dtype, self.device) for r in runs]
+            return linear.set_kernel(StackedLinear(kernels, linear.kernel_bias, self.dtype, self.device))
         if kinds == {Fp8Weight} and not self.plan.dequantize:
             fused = Fp8Weight(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]))
             return linear.set_kernel(quantized_linear(fused, linear.kernel_bias, self.dtype, self.device))

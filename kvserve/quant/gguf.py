@@ -10,8 +10,7 @@ In a 32-weight Q4_0/Q4_1 block the low nibbles are weights 0..15 and the high ni
 16..31; a Q4_K chunk of 32 bytes holds sub-block 2c in its low and 2c+1 in its high nibbles.
 All map onto group size 32 (scale = d or d sc, offset = -8 d, m, -128 d or -dmin m).
 
-Q5_K and Q6_K (and Q4_K where it shares a fused linear with them: llama.cpp's Q4_K_M puts attn_v
-in Q6_K beside Q4_K q/k) stay as the file's raw rows, a `KQuantWeight`, read in place by
+Q5_K and Q6_K stay as the file's raw rows, a `KQuantWeight`, read in place by
 kvserve/kernels/kquant (layouts in its c/kquant.c). Other types are dequantized by the
 loader (gguf_loader).
 """
@@ -129,11 +128,10 @@ class KQuantWeight:
 
 def settle_parts(parts: list[Any]) -> list[Any]:
     """The parts of one fused linear, ready for a kernel: Q4_K parts become group-32 codes (qmatmul's
-    blocks, tuned) unless the linear also holds Q5_K / Q6_K parts and nothing else, in which case
-    every part stays raw and the K-quant kernel runs the whole linear."""
-    raw = [p for p in parts if isinstance(p, KQuantWeight)]
-    if (len(raw) == len(parts) <= kquant.MAX_PARTS and any(p.qtype != Q4_K for p in raw)) or not raw:
-        return parts
+    blocks, tuned; exact), Q5_K / Q6_K parts stay raw for the K-quant kernel. Where both kinds are
+    left (Q4_K_M's q/k/v: Q6_K v beside Q4_K q and k), the loader stacks one kernel per run of parts
+    (kvserve.quant.linear.StackedLinear): the K-quant kernel reads Q4_K at about half the blocks
+    kernel's weights per second."""
     return [p.to_quantized() if isinstance(p, KQuantWeight) and p.qtype == Q4_K else p for p in parts]
 
 

@@ -125,7 +125,8 @@ class InplaceWeight:
     """How a quantized linear's weight is read in place by the C kernels, for code that runs them
     itself (the decode stack, kvserve/worker/decode_stack.py). Either `blocks` (qmatmul.Blocks,
     multiplied with `activations`, one of qmatmul.MODES) or `kquant_parts` (raw GGUF K-quant rows:
-    kquant.make_matrix's parts, views into the module's buffer). From `dense_from` rows on the module
+    kquant.make_matrix's parts, views into the module's buffer), or `parts`: one of these per run of
+    output rows (StackedLinear). From `dense_from` rows on the module
     multiplies densely instead. The weight is in input-channel order (no permutation), bias apart."""
 
     out_features: int
@@ -134,6 +135,7 @@ class InplaceWeight:
     blocks: qmatmul.Blocks | None = None
     activations: str = "float32"
     kquant_parts: list[tuple[int, torch.Tensor]] | None = None
+    parts: list[InplaceWeight] | None = None  # a StackedLinear: its kernels' weights, output rows in order
 
 
 class _QuantLinear(nn.Module):
@@ -447,6 +449,37 @@ class Fp8Linear(_QuantLinear):
 
     def _stored_weight(self) -> torch.Tensor:
         return self.weight_fp8.float() * self.weight_scale[:, None]
+
+
+class StackedLinear(_QuantLinear):
+    """A fused linear (q/k/v, gate/up) whose parts take different kernels, stacked by output rows:
+    `kernels` (no bias, no input permutation) each multiply x, their outputs side by side. A GGUF
+    Q4_K_M q/k/v is one: Q4_K q and k as blocks (factored scales, rows interleaved, ~2x the weights
+    per second of the K-quant kernel on Zen 3) and a Q6_K v read in place by the K-quant kernel."""
+
+    def __init__(self, kernels: list[_QuantLinear], bias: torch.Tensor | None, dtype: torch.dtype,
+                 device: str | torch.device = "cpu") -> None:
+        n_in = kernels[0].in_features
+        if any(k.in_features != n_in or k.bias is not None or k.perm is not None for k in kernels):
+            raise ValueError("stacked kernels must share the input dim and have no bias or input permutation")
+        super().__init__(sum(k.out_features for k in kernels), n_in, None, bias, dtype, torch.device(device))
+        self.kernels = nn.ModuleList(kernels)
+        self.path = "stacked"
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([k._matmul(x) for k in self.kernels], -1)
+
+    def _stored_weight(self) -> torch.Tensor:
+        return torch.cat([k._stored_weight() for k in self.kernels])
+
+    def inplace_weight(self) -> InplaceWeight | None:
+        parts = [k.inplace_weight() for k in self.kernels]
+        if any(p is None for p in parts):
+            return None
+        return InplaceWeight(self.out_features, self.in_features, min(p.dense_from for p in parts), parts=parts)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rows={[k.out_features for k in self.kernels]}"
 
 
 def quantized_linear(weight: QuantizedWeight | Fp8Weight | object, bias: torch.Tensor | None, dtype: torch.dtype,

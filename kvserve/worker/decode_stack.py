@@ -24,8 +24,8 @@ It runs a step when every token is a decode and the batch is small enough that e
 linear would use its kernel rather than the dense path (`dense_from`, tuning.py); larger batches
 and prefills take the Python path, where matmuls dominate. `build` returns None (the Python path
 always) for what it does not model: other dtypes, tensor or pipeline parallelism, MoE layers,
-linears other than dense float32 or blocks (qmatmul.Blocks) without an input permutation,
-non-CPU devices, or no C compiler. `KVSERVE_DECODE_STACK=0` turns it off.
+linears other than dense float32, blocks (qmatmul.Blocks) or raw K-quant rows (or a stack of
+these, a StackedLinear) without an input permutation, non-CPU devices, or no C compiler. `KVSERVE_DECODE_STACK=0` turns it off.
 """
 
 from __future__ import annotations
@@ -69,16 +69,28 @@ def _lin(module: Any) -> tuple[c_stack.Lin, int, list[Any]]:
     desc = kernel.inplace_weight() if hasattr(kernel, "inplace_weight") else None
     if desc is None:
         raise Unsupported(f"a {type(kernel).__name__} linear ({getattr(kernel, 'path', '?')} path)")
+    parts = desc.parts or [desc]  # a stacked linear: one Lin per part, each pointing at the next
+    starts = [sum(p.out_features for p in parts[:i]) for i in range(len(parts))]
+    lin = None
+    for part, first in reversed(list(zip(parts, starts))):
+        lin, tensors = _inplace_lin(part, None if bias is None else bias_ptr + 4 * first, lin)
+        keep += tensors
+    return lin, desc.dense_from, keep
+
+
+def _inplace_lin(desc: Any, bias_ptr: int | None, rest: c_stack.Lin | None) -> tuple[c_stack.Lin, list[Any]]:
+    """One part's Lin (an InplaceWeight of blocks or K-quant rows), followed by `rest`; what it points into."""
+    rest_ptr, keep = (None, []) if rest is None else (ctypes.addressof(rest), [rest])
     if desc.kquant_parts is not None:
         m = kquant.make_matrix(desc.kquant_parts, desc.in_features)  # the stack's own copy, into the module's rows
         lin = c_stack.Lin(c_stack.LIN_KQUANT, 0, desc.out_features, desc.in_features, ctypes.addressof(m), None, None,
-                          bias_ptr)
-        return lin, desc.dense_from, keep + [rows for _, rows in desc.kquant_parts] + [m]
+                          bias_ptr, rest_ptr)
+        return lin, keep + [rows for _, rows in desc.kquant_parts] + [m]
     b = desc.blocks
     n, k = b.shape
     lin = c_stack.Lin(b.kind, qmatmul.MODES.index(desc.activations), n, k, b.codes.data_ptr(), b.d.data_ptr(),
-                      None if b.c is None else b.c.data_ptr(), bias_ptr)
-    return lin, desc.dense_from, keep + [t for t in (b.codes, b.d, b.c) if t is not None]
+                      None if b.c is None else b.c.data_ptr(), bias_ptr, rest_ptr)
+    return lin, keep + [t for t in (b.codes, b.d, b.c) if t is not None]
 
 
 class DecodeStack:

@@ -21,8 +21,8 @@ from kvserve.models import load_model
 from kvserve.quant import gguf as qgguf
 from kvserve.quant.base import QuantizedWeight
 from kvserve.quant.kquant_linear import KQuantLinear
-from kvserve.quant.linear import Int4Linear
-from kvserve.kernels import cpu, kquant
+from kvserve.quant.linear import Int4Linear, StackedLinear
+from kvserve.kernels import cpu, kquant, qmatmul
 from tests.models.conftest import PagedRunner, kernel_type, make_hf_checkpoint, tiny_tokenizer, write_llama_gguf  # noqa: F401
 from tests.worker.test_decode_stack import _compare, _generate, _stack
 from tests.worker.test_kernels import AVX2_ENV
@@ -121,7 +121,7 @@ def test_linear_kernel_dense_path_and_rows(qtype):
 
 
 def test_convert_settle_and_shard():
-    """Q4_K alone goes to the blocks kernel; beside a Q5_K / Q6_K part every part stays raw; a
+    """Q4_K goes to the blocks kernel, alone or beside a Q5_K / Q6_K part (which stays raw); a
     tensor-parallel column slice keeps whole 256-weight blocks raw and dequantizes otherwise."""
     method = qgguf.GGUFMethod()
 
@@ -135,7 +135,9 @@ def test_convert_settle_and_shard():
     alone = qgguf.settle_parts([q4, convert(Q.Q4_K, 32, 2)])
     assert all(isinstance(p, QuantizedWeight) for p in alone)
     torch.testing.assert_close(alone[0].dequantize(), q4.dequantize(), rtol=0, atol=0)
-    assert qgguf.settle_parts([q4, q6]) == [q4, q6]
+    mixed = qgguf.settle_parts([q4, q6])
+    assert isinstance(mixed[0], QuantizedWeight) and mixed[1] is q6
+    assert torch.equal(mixed[0].dequantize(), alone[0].dequantize())
     q40 = qgguf.repack(torch.from_numpy(gguf.quants.quantize(np.ones((8, 512), np.float32), Q.Q4_0)), 2, "x")
     assert [type(p) for p in qgguf.settle_parts([q40, q6])] == [QuantizedWeight, qgguf.KQuantWeight]
     full = q6.dequantize()
@@ -145,6 +147,34 @@ def test_convert_settle_and_shard():
     assert isinstance(q4.cols(slice(128, 384)), QuantizedWeight)
     assert torch.equal(q6.rows(slice(4, 9)).dequantize(), full[4:9])
     assert qgguf.REPACKABLE == {Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+
+
+def test_stacked_linear_runs_each_part_and_links_the_decode_stack():
+    """A StackedLinear (Q4_K rows as blocks, then Q6_K rows raw) multiplies like the dense weight plus
+    its bias, and the decode stack gets one C Lin per part, each pointing at the next, the bias split."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from kvserve.kernels import decode_stack as c_stack
+    from kvserve.quant.linear import quantized_linear
+    from kvserve.worker.decode_stack import _lin
+
+    q4 = qgguf.kquant_weight(torch.from_numpy(kquant_rows(Q.Q4_K, 64, 512, 3)), int(Q.Q4_K), "q")
+    q6 = qgguf.kquant_weight(torch.from_numpy(kquant_rows(Q.Q6_K, 32, 512, 4, 4e-4)), int(Q.Q6_K), "v")
+    blocks, raw = (quantized_linear(p, None, torch.float32) for p in qgguf.settle_parts([q4, q6]))
+    assert type(blocks) is Int4Linear and type(raw) is KQuantLinear
+    bias = torch.randn(96)
+    st = StackedLinear([blocks, raw], bias, torch.float32)
+    w = torch.cat([q4.dequantize(), q6.dequantize()])
+    assert torch.equal(st.dequantize(), w)
+    x = torch.randn(3, 512)
+    assert _rel(st(x), F.linear(x.double(), w.double(), bias.double())) < 1e-4  # int16 activations in the Q6_K part
+    lin, rows, keep = _lin(SimpleNamespace(tp=SimpleNamespace(size=1), kernel=st, bias=None))
+    rest = c_stack.Lin.from_address(lin.rest)
+    assert (lin.n, lin.kind, lin.bias) == (64, blocks.blocks().kind, bias.data_ptr())
+    assert (rest.n, rest.kind, rest.bias, rest.rest) == (32, c_stack.LIN_KQUANT, bias.data_ptr() + 4 * 64, None)
+    assert rows == min(blocks.dense_from, raw.dense_from)
+    assert any(isinstance(k, c_stack.Lin) and ctypes.addressof(k) == lin.rest for k in keep)  # kept alive
 
 
 SMALL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -183,12 +213,19 @@ def test_tiny_gguf_loads_kquant_linears(kquant_gguf, mix):
     packed = load_model(str(path), dtype="float32")
     plain = load_model(str(path), dtype="float32", quantization="none")
     layer = packed.model.model.layers[1]
-    for lin in (layer.self_attn.qkv_proj, layer.mlp.down_proj, packed.model.model.embed_tokens):
+    for lin in (layer.mlp.down_proj, packed.model.model.embed_tokens):
         assert kernel_type(lin) is KQuantLinear and lin.kernel.path == "kquant"
     assert packed.model.lm_head.kernel is packed.model.model.embed_tokens.kernel  # tied: one table
-    if mix == "q4_k_m":
-        assert layer.self_attn.qkv_proj.kernel.qtypes == [Q.Q4_K, Q.Q4_K, Q.Q6_K]
+    qkv = layer.self_attn.qkv_proj.kernel
+    if mix == "q4_k_m":  # Q4_K q and k as blocks, the Q6_K v raw: one kernel each, stacked
+        assert type(qkv) is StackedLinear and [type(k) for k in qkv.kernels] == [Int4Linear, KQuantLinear]
+        assert [k.out_features for k in qkv.kernels] == [384, 128] and qkv.kernels[1].qtypes == [Q.Q6_K]
+        assert qkv.kernels[0].path == "blocks" and qkv.kernels[0].blocks().kind & qmatmul.KSCALES
         assert kernel_type(layer.mlp.gate_up_proj) is Int4Linear  # Q4_K alone: the blocks kernel
+        plain_qkv = plain.model.model.layers[1].self_attn.qkv_proj.weight
+        torch.testing.assert_close(qkv.dequantize(), plain_qkv, rtol=1e-6, atol=1e-6)
+    else:
+        assert type(qkv) is KQuantLinear and qkv.qtypes == [Q.Q6_K] * 3
     tokens = [5, 17, 42, 99, 7, 250, 3, 64, 128, 11]
     logits = []
     for lm in (packed, plain):

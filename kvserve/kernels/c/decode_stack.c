@@ -14,12 +14,13 @@
    LIN_KQUANT: 4 | INTERLEAVED | KSCALES is 100); LIN_KQUANT: raw GGUF K-quant rows (kquant.c) whose
    parts may differ in type (a fused q/k/v of Q4_K and Q6_K), so the types live in its KqMatrix (w) */
 enum { LIN_DENSE = 0, LIN_KQUANT = 256 };
-typedef struct {
+typedef struct Lin {
     int64_t kind, act, n, k;  /* act: qmatmul's ACT_FLOAT / ACT_INT8 / ACT_INT16 */
     const void *w;          /* dense: float [n, k]; blocks: codes */
     const void *d;          /* blocks: scales [n, k / 32] (float32, float16) or scale codes (qmatmul.c's KSCALES) */
     const void *c;          /* blocks: offsets [n, k / 32] or NULL, or the codes' factors (KSCALES) */
     const float *bias;      /* [n] or NULL */
+    const struct Lin *rest; /* the output rows after these n, another kind's (a stacked linear), or NULL */
 } Lin;
 typedef struct {
     const float *in_norm, *post_norm, *q_norm, *k_norm;  /* q_norm / k_norm NULL unless the model has them */
@@ -36,7 +37,7 @@ typedef struct {
 KV_LAYOUT_TABLE(ds_layout,
     KV_LAYOUT_STRUCT(Lin), KV_LAYOUT_FIELD(Lin, kind), KV_LAYOUT_FIELD(Lin, act), KV_LAYOUT_FIELD(Lin, n),
     KV_LAYOUT_FIELD(Lin, k), KV_LAYOUT_FIELD(Lin, w), KV_LAYOUT_FIELD(Lin, d), KV_LAYOUT_FIELD(Lin, c),
-    KV_LAYOUT_FIELD(Lin, bias),
+    KV_LAYOUT_FIELD(Lin, bias), KV_LAYOUT_FIELD(Lin, rest),
     KV_LAYOUT_STRUCT(Layer), KV_LAYOUT_FIELD(Layer, in_norm), KV_LAYOUT_FIELD(Layer, post_norm),
     KV_LAYOUT_FIELD(Layer, q_norm), KV_LAYOUT_FIELD(Layer, k_norm), KV_LAYOUT_FIELD(Layer, qkv),
     KV_LAYOUT_FIELD(Layer, o), KV_LAYOUT_FIELD(Layer, gate_up), KV_LAYOUT_FIELD(Layer, down),
@@ -53,7 +54,8 @@ static inline void share(int64_t n, int64_t *n0, int64_t *n1) {
 }
 
 /* y [m, L->n] (row stride ldy) = x [m, L->k] @ W.T + bias, by every thread of the region; x's
-   block sums / int8 or int16 codes go into xs / xq first (thread 0). Ends at a barrier. */
+   block sums / int8 or int16 codes go into xs / xq first (thread 0). Ends at a barrier; then the
+   rows of L->rest, if any, the same way (each part prepares x as its kernel takes it). */
 static void lin_run(const Lin *L, const float *x, int64_t m, float *y, int64_t ldy, float *xs, void *xq) {
     const int act = act_for(L->act, m);  /* the rule qlinear applies, so both paths sum alike */
     const int64_t nb = L->k / 32;
@@ -85,6 +87,7 @@ static void lin_run(const Lin *L, const float *x, int64_t m, float *y, int64_t l
         for (int64_t t = 0; t < m; ++t)
             for (int64_t n = n0; n < n1; ++n) y[t * ldy + n] += L->bias[n];
     #pragma omp barrier
+    if (L->rest) lin_run(L->rest, x, m, y + L->n, ldy, xs, xq);
 }
 
 /* Layers [0, nlayers) for B decode tokens. h [B, hidden]: in, the embeddings; out, the last layer's

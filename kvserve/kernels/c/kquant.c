@@ -9,8 +9,9 @@
  *   Q5_K (176 bytes): d, dmin, 12 bytes of 6-bit (sc, m) for 8 sub-blocks of 32, qh[32], qs[128].
  *     w = d sc q - dmin m; sub-block 2c has its low 4 bits in qs[32c + j]'s low nibble, 2c+1 in
  *     the high nibble, and the 5th bit of sub-block s is bit s of qh[j].
- *   Q4_K (144 bytes): Q5_K without qh. It is here so a fused linear (q/k/v, gate/up) whose parts
- *     mix Q4_K with Q5_K / Q6_K (llama.cpp's Q4_K_M: attn_v in Q6_K) runs as one weight.
+ *   Q4_K (144 bytes): Q5_K without qh. The loader gives Q4_K to qmatmul's blocks (factored
+ *     scales, rows interleaved: about twice the weights per second of this kernel on Zen 3), also
+ *     beside Q5_K / Q6_K parts (a stacked linear); it is read here only when handed over raw.
  *
  * Activations (kq_quantize): per token and 32-value block, int16 codes xq (scale xd = amax /
  * 32767: a product's error is ~1e-5 of its size) and xh = -32 * the sum of the codes of each
