@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 # llama.cpp and vLLM run them ("none" dequantizes them into --dtype).
 GGUF_DEFAULT = "gguf"
 
-__all__ = ["GGUF_DEFAULT", "Fp8Linear", "Int4Linear", "Int8Linear", "LinearInstaller", "LoadPlan", "gguf_plan",
-           "StackedLinear", "hf_plan", "pack_fp8", "pack_int8", "quant_config", "quantize_lm_head", "quantized_linear"]
+__all__ = ["GGUF_DEFAULT", "Fp8Linear", "Int4Linear", "Int8Linear", "LinearInstaller", "LoadPlan", "StackedLinear",
+           "gguf_plan", "hf_plan", "pack_fp8", "pack_int8", "quant_config", "quantize_lm_head", "quantized_linear"]
 
 
 @dataclass(frozen=True)

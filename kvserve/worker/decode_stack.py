@@ -25,7 +25,8 @@ linear would use its kernel rather than the dense path (`dense_from`, tuning.py)
 and prefills take the Python path, where matmuls dominate. `build` returns None (the Python path
 always) for what it does not model: other dtypes, tensor or pipeline parallelism, MoE layers,
 linears other than dense float32, blocks (qmatmul.Blocks) or raw K-quant rows (or a stack of
-these, a StackedLinear) without an input permutation, non-CPU devices, or no C compiler. `KVSERVE_DECODE_STACK=0` turns it off.
+these, a StackedLinear) without an input permutation, non-CPU devices, or no C compiler.
+`KVSERVE_DECODE_STACK=0` turns it off.
 """
 
 from __future__ import annotations
@@ -70,9 +71,9 @@ def _lin(module: Any) -> tuple[c_stack.Lin, int, list[Any]]:
     if desc is None:
         raise Unsupported(f"a {type(kernel).__name__} linear ({getattr(kernel, 'path', '?')} path)")
     parts = desc.parts or [desc]  # a stacked linear: one Lin per part, each pointing at the next
-    starts = [sum(p.out_features for p in parts[:i]) for i in range(len(parts))]
-    lin = None
-    for part, first in reversed(list(zip(parts, starts))):
+    lin, first = None, desc.out_features
+    for part in reversed(parts):
+        first -= part.out_features
         lin, tensors = _inplace_lin(part, None if bias is None else bias_ptr + 4 * first, lin)
         keep += tensors
     return lin, desc.dense_from, keep

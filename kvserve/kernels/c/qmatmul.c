@@ -811,19 +811,29 @@ enum { ACT_FLOAT = 0, ACT_INT8 = 1, ACT_INT16 = 2 };
    centred): 18.5 bytes per 32 weights against float32's 24 (the file's: 18). */
 #define KSCALES 64
 
+/* Row n's block b of a KSCALES weight (codes sm, factors sup; il: interleaved): its scale and
+   centred offset, as k_widen computes them. */
+static inline void k_scale_at(const uint8_t *sm, const uint16_t *sup, int64_t nb, int il, int64_t n, int64_t b,
+                              float *d, float *c) {
+    const int64_t q = (il ? n >> 3 : n) * (nb / 8) + b / 8, w = il ? 8 : 1, i = il ? n & 7 : 0;
+    const float D = half_to_float(sup[q * 2 * w + i]), Dm = half_to_float(sup[(q * 2 + 1) * w + i]);
+    *d = D * (float)sm[(q * 16 + b % 8) * w + i];
+    *c = Dm * (float)sm[(q * 16 + 8 + b % 8) * w + i] + 8.f * *d;  /* Dm m exact: contracted or not, one rounding */
+}
+
 /* KSCALES: rows [0, rows) of codes sm and factors sup as float32 scales d and centred offsets c
    [rows, K / 32] in the same layout (il: interleaved by 8, rows a multiple of 8): what every kernel
-   but il_group_k reads, the float32 form's very bits. */
+   but il_group_k reads, the float32 form's very bits (k_scale_at's arithmetic, 8 outputs at once). */
 static void k_widen(const uint8_t *sm, const uint16_t *sup, int64_t rows, int64_t nb, int il, float *d, float *c) {
     const int64_t nsb = nb / 8;
     /* units of 8 outputs: row-major, a row's 8 blocks of one 256 (one D); interleaved, a group's
        8 rows of one block (8 D) */
     for (int64_t u = 0; u < rows * nsb; ++u) {
         const int64_t q = il ? u / 8 : u, bb = il ? u % 8 : 0;  /* (row or group, 256) and the block in it */
-        const uint8_t *sc = sm + q * 16 * (il ? 8 : 1) + bb * 8, *m = sc + (il ? 64 : 8);
-        const uint16_t *D = sup + q * 2 * (il ? 8 : 1), *Dm = D + (il ? 8 : 1);
         float *dd = d + u * 8, *cc = c + u * 8;
 #if defined(__AVX2__) && defined(__F16C__)
+        const uint8_t *sc = sm + q * 16 * (il ? 8 : 1) + bb * 8, *m = sc + (il ? 64 : 8);
+        const uint16_t *D = sup + q * 2 * (il ? 8 : 1), *Dm = D + (il ? 8 : 1);
         const __m256 Dv = il ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)D)) : _mm256_set1_ps(_cvtsh_ss(*D));
         const __m256 Dmv = il ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)Dm)) : _mm256_set1_ps(_cvtsh_ss(*Dm));
         const __m256 dv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc))), Dv);
@@ -831,11 +841,8 @@ static void k_widen(const uint8_t *sm, const uint16_t *sup, int64_t rows, int64_
         _mm256_storeu_ps(dd, dv);
         _mm256_storeu_ps(cc, _mm256_fmadd_ps(mv, Dmv, _mm256_mul_ps(dv, _mm256_set1_ps(8.f))));
 #else
-        for (int i = 0; i < 8; ++i) {
-            const float f = half_to_float(D[il ? i : 0]), fm = half_to_float(Dm[il ? i : 0]);
-            dd[i] = f * (float)sc[i];
-            cc[i] = fm * (float)m[i] + 8.f * dd[i];  /* fm m exact: contracted or not, one rounding */
-        }
+        for (int i = 0; i < 8; ++i)  /* output i: row 8 g + i of block bb (il), or block i of the row */
+            k_scale_at(sm, sup, nb, il, il ? q / nsb * 8 + i : q / nsb, q % nsb * 8 + (il ? bb : i), dd + i, cc + i);
 #endif
     }
 }
@@ -1011,16 +1018,6 @@ void qlinear(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_
     }
     free(xq);
     free(xs);
-}
-
-/* Row n's block b of a KSCALES weight (codes sm, factors sup; il: interleaved): its scale and
-   centred offset, as k_widen computes them. */
-static inline void k_scale_at(const uint8_t *sm, const uint16_t *sup, int64_t nb, int il, int64_t n, int64_t b,
-                              float *d, float *c) {
-    const int64_t q = (il ? n >> 3 : n) * (nb / 8) + b / 8, w = il ? 8 : 1, i = il ? n & 7 : 0;
-    const float D = half_to_float(sup[q * 2 * w + i]), Dm = half_to_float(sup[(q * 2 + 1) * w + i]);
-    *d = D * (float)sm[(q * 16 + b % 8) * w + i];
-    *c = Dm * (float)sm[(q * 16 + 8 + b % 8) * w + i] + 8.f * *d;
 }
 
 /* W [N, K] as float32 (bits may carry HALF_SCALES, KSCALES, INTERLEAVED). */
