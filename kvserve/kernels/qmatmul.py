@@ -35,12 +35,13 @@ them, AVX-512VL+VNNI or AVX-VNNI) and a plain C body elsewhere:
     from HF's), though from PANEL_FROM tokens the float panel path is faster.
 `dequantize` writes W as float32 for the dense path (when tuning finds MKL faster).
 
-Interleaved (`relayout`, for 4-bit weights that run with int16 activations): rows in groups of 8,
-each 32-weight block of a group 128 bytes, 4 chunks of 32: chunk c's byte 4 i + j is row i's byte
-4 c + j, and the scales / offsets [N / 8, K / 32, 8] likewise (the tensors keep their shapes). One
-broadcast of 4 activation bytes then serves 8 rows, a lane per row, and the int16 codes are
-multiplied as their two bytes by maddubs: 1.2-1.5x the row-major int16 kernel's GB/s at one token
-from DRAM (c/qmatmul.c, above il_block_sum). Other modes read row-major copies made on the fly.
+Interleaved (`relayout`, for weights that run with int16 activations): rows in groups of 8, each
+16 bytes of a row (a 4-bit block, half an 8-bit one) 4 chunks of 32 in its group: chunk c's byte
+4 i + j is row i's byte 4 c + j, and the scales / offsets [N / 8, K / 32, 8] likewise (the tensors
+keep their shapes). One broadcast of 4 activations then serves 8 rows, a lane per row: 4-bit codes
+are multiplied with the int16 activations' two bytes by maddubs, 8-bit codes widened to int16 by
+maddwd; 1.2-1.5x (4-bit) and ~1.3x (8-bit) the row-major int16 kernel's GB/s at one token from DRAM
+(c/qmatmul.c, above il_block_sum and il8_block_sum). Other modes read row-major copies made on the fly.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class Blocks:
     c: torch.Tensor | None  # float32 [N, K/32]; None where every offset is 0 (symmetric codes: Q4_0, Q8_0);
     #                         factored: the codes' float16 factors
     bits: int
-    interleaved: bool = False  # rows interleaved by 8 (4-bit only; the module docstring)
+    interleaved: bool = False  # rows interleaved by 8 (the module docstring)
 
     @property
     def kind(self) -> int:
@@ -188,7 +189,7 @@ def _float_scales(w: Blocks) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def can_interleave(w: Blocks) -> bool:
-    return w.bits == 4 and w.shape[0] % 8 == 0
+    return w.shape[0] % 8 == 0
 
 
 def _groups(t: torch.Tensor, forward: bool) -> torch.Tensor:
@@ -201,10 +202,11 @@ def _groups(t: torch.Tensor, forward: bool) -> torch.Tensor:
 
 def relayout(w: Blocks, interleaved: bool) -> Blocks:
     """w with its rows interleaved by 8 or row-major (the module docstring); w itself if it is already
-    so, or if it cannot be interleaved (8-bit codes, rows not a multiple of 8)."""
+    so, or if it cannot be interleaved (rows not a multiple of 8)."""
     if w.interleaved == interleaved or (interleaved and not can_interleave(w)):
         return w
-    # scales / offsets: [G, 8, nb] <-> [G, nb, 8]; codes: [G, 8, nb, 4 chunks, 4] <-> [G, nb, 4 chunks, 8, 4]
+    # scales / offsets: [G, 8, nb] <-> [G, nb, 8]; codes in units of 16 row bytes (a 4-bit block, half
+    # an 8-bit one): [G, 8, units, 4 chunks, 4] <-> [G, units, 4 chunks, 8, 4]
     d, c = (None if t is None else _groups(t, interleaved) for t in (w.d, w.c))
     n, half = w.codes.shape
     if interleaved:

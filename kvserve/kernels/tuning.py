@@ -201,7 +201,7 @@ def _linear_paths(m: nn.Module, dtype: torch.dtype, bf16: bool) -> dict[str, Cal
     w = m.blocks()
     x = torch.randn(GRID[-1], m.in_features, generator=torch.Generator().manual_seed(0))
     xd = x.to(dtype)
-    # each mode on the layout it runs with (int16: 4-bit rows interleaved by 8; see GroupCodesLinear.activations)
+    # each mode on the layout it runs with (int16: rows interleaved by 8; see GroupCodesLinear.activations)
     laid = {mode: qmatmul.relayout(w, mode == "int16") for mode in qmatmul.MODES}
     paths: dict[str, Callable[[int], object]] = {
         mode: (lambda r, mode=mode: qmatmul.matmul(x[:r], laid[mode], mode)) for mode in qmatmul.MODES}

@@ -271,7 +271,7 @@ class GroupCodesLinear(_QuantLinear):
     @property
     def activations(self) -> str:
         """Blocks path: how x is multiplied (one of qmatmul.MODES). Setting it lays the weight out for
-        that mode: int16 reads 4-bit rows interleaved by 8 (qmatmul.relayout), the others row-major."""
+        that mode: int16 reads rows interleaved by 8 (qmatmul.relayout), the others row-major."""
         return self.__dict__.get("_activations", "float32")
 
     @activations.setter

@@ -243,7 +243,8 @@ def test_tiny_gguf_loads_kquant_linears(kquant_gguf, mix):
 
 @pytest.mark.parametrize("mix", list(MIXES))
 def test_decode_stack_runs_kquant_linears(kquant_gguf, monkeypatch, mix):
-    """Greedy tokens with the stack equal the layer path's, logprobs within 64 float32 ulps."""
+    """Greedy tokens with the stack equal the layer path's, logprobs within int16 activations' bound
+    (the K-quant kernel's; test_decode_stack.py's ACT_RTOL)."""
     from kvserve import LLM
 
     llm = LLM(model=str(kquant_gguf(mix)), dtype="float32", block_size=4, num_kv_blocks=256,
@@ -252,7 +253,7 @@ def test_decode_stack_runs_kquant_linears(kquant_gguf, monkeypatch, mix):
     on, calls = _generate(llm, True, monkeypatch)
     off, _ = _generate(llm, False, monkeypatch)
     assert calls > 0
-    _compare(on, off)
+    _compare(on, off, act="int16")
 
 
 def test_dense_fallback_without_the_kernel(monkeypatch):

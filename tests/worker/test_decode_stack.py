@@ -6,7 +6,12 @@ vectorized by the compiler on its own (-ffast-math lets it reassociate), and on 
 two orders differ in the last bits: logprobs differed by up to 9.5e-7 (8 ulps of float32 near 1).
 So blocks weights are held to BLOCKS_ATOL, a relative bound of 64 float32 ulps (64 * 2^-23 of the
 logprob's magnitude, at least 1), with equal tokens; dense float32 weights go through torch's GEMM
-on the layer path, so there the stated tolerance is 1e-5 in logprob. Block size 4 puts many block boundaries in every
+on the layer path, so there the stated tolerance is 1e-5 in logprob. Where activations are
+quantized (int16 or int8 codes per 32-value block; the K-quant kernel's are always int16), a last-bit
+difference upstream can move a code by one step (1/32767 or 1/127 of the block's largest value),
+and the layers carry that on: on a Xeon with AVX-512, int16 codes moved logprobs by up to 1.6e-4
+(relative to max(1, |logprob|)); so those runs are held to ACT_RTOL, about 6x that, and int8's
+(a step 258x larger) to 1e-2. Block size 4 puts many block boundaries in every
 sequence; the prompts' lengths differ so the batch's requests sit at different positions.
 """
 
@@ -25,6 +30,7 @@ from kvserve.worker import decode_stack
 PARAMS = SamplingParams(max_tokens=12, temperature=0, logprobs=5, ignore_eos=True)
 DENSE_ATOL = 1e-5
 BLOCKS_ULPS = 64  # float32 ulps (relative to max(1, |logprob|)) that reassociation may cost
+ACT_RTOL = {"float32": BLOCKS_ULPS * 2.0 ** -23, "int16": 1e-3, "int8": 1e-2}  # relative, by activation mode
 
 
 def _prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
@@ -68,8 +74,8 @@ def _generate(llm: LLM, on: bool, monkeypatch, prompts=None) -> tuple[list, int]
     return outs, len(calls)
 
 
-def _compare(a, b, atol: float | None = None) -> None:
-    """Equal tokens; logprobs within atol, or within BLOCKS_ULPS when atol is None."""
+def _compare(a, b, atol: float | None = None, act: str = "float32") -> None:
+    """Equal tokens; logprobs within atol, or when atol is None within ACT_RTOL[act] of max(1, |logprob|)."""
     for x, y in zip(a, b):
         cx, cy = x.outputs[0], y.outputs[0]
         assert cx.token_ids == cy.token_ids
@@ -77,7 +83,7 @@ def _compare(a, b, atol: float | None = None) -> None:
             assert list(lx) == list(ly)
             for t in lx:
                 a, b = lx[t].logprob, ly[t].logprob
-                bound = atol if atol is not None else BLOCKS_ULPS * 2.0 ** -23 * max(1.0, abs(a))
+                bound = atol if atol is not None else ACT_RTOL[act] * max(1.0, abs(a))
                 assert abs(a - b) <= bound, (t, a, b, bound)
 
 
@@ -107,7 +113,7 @@ def test_fp8_kv_and_integer_activations(tiny_model_factory, monkeypatch):
         on, calls = _generate(llm, True, monkeypatch)
         off, _ = _generate(llm, False, monkeypatch)
         assert calls > 0
-        _compare(on, off)
+        _compare(on, off, act=mode)
 
 
 def test_large_batches_and_prefills_take_the_layer_path(tiny_model_factory, monkeypatch):

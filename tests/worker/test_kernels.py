@@ -63,7 +63,7 @@ def check_qmatmul() -> list[str]:
                 bad.append(f"layout: offsets {w.c is not None}, kind {w.kind} for {bits}-bit {n}x{k}")
             dense = qw.dequantize()
             bad += check_blocks(w, dense, bits, n, k)
-            if qmatmul.can_interleave(w):  # rows interleaved by 8, as 4-bit weights run int16 activations
+            if qmatmul.can_interleave(w):  # rows interleaved by 8, as weights run int16 activations
                 wi = qmatmul.relayout(w, True)
                 bad += [f"interleaved: {b}" for b in check_blocks(wi, dense, bits, n, k)]
                 ids = torch.tensor([n - 1, 0, 5, n // 2])
