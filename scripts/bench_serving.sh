@@ -8,7 +8,9 @@
 #   scripts/bench_serving.sh tiers       # multi-turn chat, a small KV pool, KV tiers off / RAM / disk / Redis
 #   scripts/bench_serving.sh tiers-reference  # the same with the dataset's replies in the history
 #
-# Results (table + JSON) go to $OUT (default bench-results/).
+# Results (table + JSON) go to $OUT (default bench-results/). SERVE_ARGS adds flags to every
+# server (e.g. SERVE_ARGS="--max-num-batched-tokens 2048", the step budget before it was sized by
+# the machine); TIERS="off cpu" runs only those of the tiers benchmarks' four servers.
 set -euo pipefail
 KV=${KV:-.venv/bin/kvserve}
 PORT=${PORT:-8123}
@@ -19,7 +21,7 @@ mkdir -p "$OUT"
 source "$(dirname "$0")/serve_lib.sh"
 
 # -q none: the GGUF dequantized to bf16, as every number in BENCHMARKS.md's serving sections
-start_server() { serve_up "$OUT/server.log" -q none "$@"; }
+start_server() { serve_up "$OUT/server.log" -q none ${SERVE_ARGS:-} "$@"; }
 
 bench() {
     local name=$1
@@ -28,19 +30,28 @@ bench() {
     "$KV" bench serve --base-url "$BASE" "$@" --output-json "$OUT/$name.json" | tee "$OUT/$name.txt"
 }
 
-run_tiers() {
-    start_server "${POOL[@]}"
-    bench multiturn-off "${MT[@]}"
-    serve_down
-    start_server "${POOL[@]}" --kv-offload-cpu 4GiB
-    bench multiturn-cpu "${MT[@]}"
-    serve_down
+run_tiers() {  # TIERS: which of the four servers run (default: all)
+    local tiers=" ${TIERS:-off cpu disk redis} "
+    if [[ $tiers == *" off "* ]]; then
+        start_server "${POOL[@]}"
+        bench multiturn-off "${MT[@]}"
+        serve_down
+    fi
+    if [[ $tiers == *" cpu "* ]]; then
+        start_server "${POOL[@]}" --kv-offload-cpu 4GiB
+        bench multiturn-cpu "${MT[@]}"
+        serve_down
+    fi
+    [[ $tiers == *" disk "* || $tiers == *" redis "* ]] || return 0
     # RAM smaller than the working set, so the disk tier serves the rest
     rm -rf "$OUT/kv-disk"
-    start_server "${POOL[@]}" --kv-offload-cpu 128MiB --kv-offload-disk "$OUT/kv-disk"
-    bench multiturn-cpu-disk "${MT[@]}"
-    serve_down
-    rm -rf "$OUT/kv-disk"
+    if [[ $tiers == *" disk "* ]]; then
+        start_server "${POOL[@]}" --kv-offload-cpu 128MiB --kv-offload-disk "$OUT/kv-disk"
+        bench multiturn-cpu-disk "${MT[@]}"
+        serve_down
+        rm -rf "$OUT/kv-disk"
+    fi
+    [[ $tiers == *" redis "* ]] || return 0
     REDIS_PORT=$((PORT + 1))
     redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no --maxmemory 4gb \
         --maxmemory-policy allkeys-lru > "$OUT/redis.log" 2>&1 &

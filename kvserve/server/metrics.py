@@ -57,6 +57,8 @@ _ENGINE_METRICS = (  # (EngineCore.stats() key, metric name, kind, help)
      "Prompt tokens looked up in the prefix cache."),
     ("prefix_cache_hits", "prefix_cache_hits", CounterMetricFamily, "Prompt tokens found in the prefix cache."),
     ("num_preemptions", "num_preemptions", CounterMetricFamily, "Requests preempted (to be recomputed)."),
+    ("max_num_batched_tokens", "max_num_batched_tokens", GaugeMetricFamily,
+     "The step budget: the most tokens one engine step computes (as given, or sized by the machine at start)."),
 )
 
 

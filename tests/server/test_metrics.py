@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from kvserve.engine.defaults import BUDGET_CAP, BUDGET_FLOOR
+
 from tests.serving import LONG_PROMPT, MODEL, PROMPT, metric_values, open_stream, sse_events
 
 openai = pytest.importorskip("openai")
@@ -51,6 +53,9 @@ def test_metrics_move_as_requests_say(server, client, tokenizer):
     assert _delta(after, before, f"{K}prefix_cache_hits_total") == cached
     assert after[f"{K}num_preemptions_total"] == before.get(f"{K}num_preemptions_total", 0)
     assert _delta(after, before, f"{K}e2e_request_latency_seconds_sum") > 0
+    # the step budget the server sized from a prefill timed at start: a power of two in the bounds
+    budget = int(after[f"{K}max_num_batched_tokens"])
+    assert BUDGET_FLOOR <= budget <= BUDGET_CAP and budget & (budget - 1) == 0, budget
 
 
 def test_disconnect_mid_stream_frees_kv(server):
