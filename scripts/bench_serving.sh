@@ -20,7 +20,8 @@ mkdir -p "$OUT"
 # shellcheck source=scripts/serve_lib.sh
 source "$(dirname "$0")/serve_lib.sh"
 
-# -q none: the GGUF dequantized to bf16, as every number in BENCHMARKS.md's serving sections
+# -q none: the GGUF dequantized (--dtype auto: bfloat16 or float32, by the CPU), as every number in
+# BENCHMARKS.md's serving sections
 start_server() { serve_up "$OUT/server.log" -q none ${SERVE_ARGS:-} "$@"; }
 
 bench() {
@@ -30,28 +31,28 @@ bench() {
     "$KV" bench serve --base-url "$BASE" "$@" --output-json "$OUT/$name.json" | tee "$OUT/$name.txt"
 }
 
-run_tiers() {  # TIERS: which of the four servers run (default: all)
-    local tiers=" ${TIERS:-off cpu disk redis} "
-    if [[ $tiers == *" off "* ]]; then
+want_tier() { [[ " ${TIERS:-off cpu disk redis} " == *" $1 "* ]]; }  # TIERS: which servers run
+
+run_tiers() {
+    if want_tier off; then
         start_server "${POOL[@]}"
         bench multiturn-off "${MT[@]}"
         serve_down
     fi
-    if [[ $tiers == *" cpu "* ]]; then
+    if want_tier cpu; then
         start_server "${POOL[@]}" --kv-offload-cpu 4GiB
         bench multiturn-cpu "${MT[@]}"
         serve_down
     fi
-    [[ $tiers == *" disk "* || $tiers == *" redis "* ]] || return 0
     # RAM smaller than the working set, so the disk tier serves the rest
     rm -rf "$OUT/kv-disk"
-    if [[ $tiers == *" disk "* ]]; then
+    if want_tier disk; then
         start_server "${POOL[@]}" --kv-offload-cpu 128MiB --kv-offload-disk "$OUT/kv-disk"
         bench multiturn-cpu-disk "${MT[@]}"
         serve_down
         rm -rf "$OUT/kv-disk"
     fi
-    [[ $tiers == *" redis "* ]] || return 0
+    want_tier redis || return 0
     REDIS_PORT=$((PORT + 1))
     redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no --maxmemory 4gb \
         --maxmemory-policy allkeys-lru > "$OUT/redis.log" 2>&1 &
