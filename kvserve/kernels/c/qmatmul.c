@@ -75,13 +75,19 @@ static inline void mul_f32(const float *a, const float *b, float *out, int64_t n
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
     for (; i < n; ++i) out[i] = a[i] * b[i];
 }
+/* The tail goes through a masked load, not a scalar loop: under -ffast-math the compiler may
+   vectorize (reassociate) a scalar tail differently wherever this is inlined, and then one token's
+   sum would differ in its last bits between a one-token call and a batch (seen with AVX-512). */
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float s = hsum8(acc);
-    for (; i < n; ++i) s += a[i] * b[i];
-    return s;
+    if (i < n) {
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - i)),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        acc = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, mask), _mm256_maskload_ps(b + i, mask), acc);
+    }
+    return hsum8(acc);
 }
 /* 16 bytes of a 4-bit block -> its 32 codes in order: low nibbles are weights 0..15, high 16..31. */
 static inline __m256i unpack_q4(const uint8_t *p) {
