@@ -174,7 +174,10 @@ def trickle_post(base: str, path: str, body: bytes, headers: dict[str, str] | No
                 break
         took = time.monotonic() - t0
         sock.settimeout(10)
-        while chunk := sock.recv(65536):
-            got += chunk
+        try:
+            while chunk := sock.recv(65536):
+                got += chunk
+        except ConnectionResetError:
+            pass  # the server closed with bytes of ours unread: its kernel resets, after its answer
     head, _, raw = got.partition(b"\r\n\r\n")
     return took, head, raw
