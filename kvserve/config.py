@@ -160,6 +160,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("max_num_batched_tokens", "scheduler.max_num_batched_tokens",
          "token budget of one engine step (default: on a CPU the largest power of two of tokens whose "
          "prefill, timed at start, takes at most 0.5 s, within 256-8192; 2048 on CUDA)", type=int),
+    Flag("short_prompt_share", "scheduler.short_prompt_share",
+         "share of a step's token budget (after decodes) that prompts being prefilled leave to waiting "
+         "prompts short enough to finish in it, so a short prompt's first token does not wait for all "
+         "of a long prompt's chunks; 0 turns it off (default 0.5)", type=float, metavar="FRACTION"),
     Flag("block_size", "cache.block_size", "tokens per KV block", type=int),
     Flag("kv_cache_memory", "cache.kv_cache_memory",
          "KV cache size per rank, e.g. 2GiB (default: from free memory, see --gpu-memory-utilization)",

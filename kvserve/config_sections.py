@@ -332,9 +332,16 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
+    # Share of a step's budget (what decodes leave of it) that prompts being prefilled leave to
+    # waiting prompts short enough to finish in it: their first token does not wait for all of a
+    # long prompt's chunks. 0: a running prompt takes what it can, as before.
+    short_prompt_share: float = 0.5
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1)
+        if (isinstance(self.short_prompt_share, bool) or not isinstance(self.short_prompt_share, (int, float))
+                or not 0.0 <= self.short_prompt_share < 1.0):
+            raise ValueError(f"short_prompt_share must be a number in [0, 1), got {self.short_prompt_share!r}")
         if self.max_num_batched_tokens is not None:
             check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.max_model_len is not None:

@@ -18,7 +18,7 @@ from kvserve.engine_args import add_engine_args
 EXAMPLES = {
     "model": "/models/tiny.gguf", "dtype": "float32", "quantization": "gguf", "kv_cache_dtype": "fp8",
     "attention_backend": "torch", "enforce_eager": True, "structured_outputs_backend": "guidance",
-    "max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 32,
+    "max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 64, "short_prompt_share": 0.25, "block_size": 32,
     "kv_cache_memory": "3GiB", "gpu_memory_utilization": 0.5, "num_kv_blocks": 100, "enable_prefix_caching": False,
     "prefix_cache": "radix",
     "seed": 7, "max_logprobs": -1, "device": "cuda", "check_integrity": True, "generation_config": "none",

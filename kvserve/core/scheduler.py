@@ -6,6 +6,13 @@ unfinished prompt gets a chunk), then waiting requests are admitted in
 allow. When blocks run out, the lowest-priority, newest running request is
 preempted by recompute: its blocks are freed and it waits again, reusing
 whatever of its prefix is still cached when it resumes.
+
+One refinement keeps a short prompt from waiting behind a long one: while
+waiting prompts of the first waiting priority could finish within
+`short_prompt_share` of what decodes leave of the budget (counting what the
+device cache and the KV tiers already hold), running prompt chunks leave them
+that many tokens, and they are admitted first. So a long prompt still gets
+at least the rest of the budget each step.
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ from kvserve.core.kv_manager import KVCacheManager
 from kvserve.core.prefix_cache import max_cached_blocks
 from kvserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvserve.request import Request, RequestStatus
+
+
+# Waiting requests _short_prompts looks at each step: each costs a prefix-cache (and tier) lookup.
+SHORT_PROMPT_LOOKAHEAD = 16
 
 
 class Scheduler:
@@ -133,9 +144,11 @@ class Scheduler:
                     self.waiting.remove(req)
                     self._finish(req, RequestStatus.FINISHED_ABORTED)
                     self.failed[rid] = why
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        reserve, short = self._short_prompts(self.config.max_num_batched_tokens - num_decodes)
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, num_decodes, reserve)
         if not out.preempted_req_ids:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget, short)
         if self.connector is not None:
             out.kv_connector_meta = self.connector.build_meta(out, self.requests)
         return out
@@ -145,15 +158,47 @@ class Scheduler:
         """Waiting requests held back until their KV arrives (WAITING_FOR_REMOTE_KV)."""
         return sum(1 for r in self.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KV)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _short_prompts(self, room: int) -> tuple[int, list[Request]]:
+        """Waiting requests of the first waiting priority, in order among the first
+        SHORT_PROMPT_LOOKAHEAD, whose prompts finish within short_prompt_share of room and fit in
+        the KV pool, and the tokens they need: what running prompt chunks leave this step."""
+        share = int(room * self.config.short_prompt_share)
+        slots = self.config.max_num_seqs - len(self.running)
+        if share <= 0 or slots <= 0 or not self.waiting:
+            return 0, []
+        picked: list[Request] = []
+        need_tokens = need_blocks = 0
+        priority = self.waiting[0].priority
+        for req in self.waiting[:SHORT_PROMPT_LOOKAHEAD]:
+            if len(picked) == slots or req.priority != priority:
+                break
+            if (req.status == RequestStatus.WAITING_FOR_REMOTE_KV or req.leader_id is not None
+                    or (self.is_ready is not None and not self.is_ready(req.request_id))):
+                continue
+            num_device = self.kv.num_cached_blocks(req)
+            num_cached = (num_device + len(self._tier_hits(req, num_device))) * self.kv.block_size
+            need = req.num_tokens - num_cached
+            blocks = -(-req.num_tokens // self.kv.block_size) - num_device
+            if need_tokens + need <= share and need_blocks + blocks <= self.kv.num_free_blocks:
+                picked.append(req)
+                need_tokens += need
+                need_blocks += blocks
+        return need_tokens, picked
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, num_decodes: int, reserve: int) -> int:
         """Serve running requests in order; num_computed_tokens advances as they are scheduled
-        (over drafted tokens too: update() rolls it back over the rejected ones)."""
-        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1) if self.propose else 0
+        (over drafted tokens too: update() rolls it back over the rejected ones). Prompt chunks
+        leave `reserve` tokens and the decodes after them."""
+        decodes_left = num_decodes
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new == 0:  # its last step is still in flight (pipeline parallel): no token to feed yet
+            if num_new == 1:
+                decodes_left -= 1
+            elif num_new > 1:
+                num_new = min(num_new, budget - reserve - decodes_left)
+            if num_new <= 0:  # its last step is still in flight (pipeline parallel), or it yields
                 i += 1
                 continue
             drafts = self.propose(req, num_decodes)[:budget - 1] if self.propose and num_new == 1 else []
@@ -198,7 +243,11 @@ class Scheduler:
         self.num_preemptions += 1
         self._enqueue(req)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, first: list[Request]) -> None:
+        """Admit `first` (the short prompts) and then the others, in order."""
+        if first:
+            ids = {r.request_id for r in first}
+            self.waiting = first + [r for r in self.waiting if r.request_id not in ids]
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.pop(0)
@@ -243,6 +292,8 @@ class Scheduler:
                 req.sampling_params, list(req.block_ids), num_cached))
             out.num_scheduled_tokens[req.request_id] = num_new
             budget -= num_new
+        if first:
+            self.waiting.sort(key=lambda r: self._order[r.request_id])
         for req in skipped:
             self._enqueue(req)
 

@@ -19,10 +19,10 @@ def fake_token(tokens: list[int]) -> int:
     return (sum(t * (i + 1) for i, t in enumerate(tokens)) % 97) + 3
 
 
-def make_sched(num_blocks=64, budget=16, max_seqs=8, max_len=256, prefix="hash", caching=True):
+def make_sched(num_blocks=64, budget=16, max_seqs=8, max_len=256, prefix="hash", caching=True, share=0.5):
     kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=caching, prefix_cache=prefix)
     return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                                     max_model_len=max_len), kv)
+                                     max_model_len=max_len, short_prompt_share=share), kv)
 
 
 def req(rid: str, n_prompt: int, max_tokens: int = 5, start: int = 1, priority: int = 0,
@@ -183,3 +183,96 @@ def test_hit_rate_counts_a_request_waiting_for_room_once():
     outs = run_all(s, reqs)
     assert len(outs) > 10 and not any(r.num_preemptions for r in reqs)
     assert s.kv.prefix_cache_queries == 2 * 16
+
+
+def first_token_step(s: Scheduler, r: Request, max_steps=100) -> int:
+    for i in range(max_steps):
+        step(s)
+        if r.num_output_tokens:
+            return i
+    raise AssertionError(f"{r.request_id} got no token in {max_steps} steps")
+
+
+@pytest.mark.parametrize("share", [0.5, 0.0])
+def test_short_prompt_does_not_wait_for_a_long_prompts_chunks(share):
+    """A long prompt being prefilled leaves short_prompt_share of the budget to a short prompt
+    that can finish in it: its first token comes in the next step, not after all the chunks."""
+    s = make_sched(budget=16, share=share)
+    long = req("long", 120, max_tokens=2, start=1)
+    s.add_request(long)
+    assert step(s).num_scheduled_tokens == {"long": 16}
+    short = req("short", 6, max_tokens=2, start=200)
+    s.add_request(short)
+    out = step(s)
+    if share:
+        assert out.num_scheduled_tokens == {"long": 10, "short": 6}
+        assert short.num_output_tokens == 1
+    else:
+        assert out.num_scheduled_tokens == {"long": 16}
+        assert first_token_step(s, short) > 4
+    run_all(s, [])
+    assert long.output_token_ids == expected_output(long.prompt_token_ids, 2)
+    assert short.output_token_ids == expected_output(short.prompt_token_ids, 2)
+
+
+def test_long_prompt_keeps_the_rest_of_the_budget():
+    """A stream of short prompts takes at most the share; the long one still advances every step."""
+    s = make_sched(budget=16, max_seqs=64, num_blocks=256)
+    long = req("long", 100, max_tokens=1, start=1)
+    s.add_request(long)
+    step(s)
+    for i in range(6):
+        s.add_request(req(f"s{i}", 4, max_tokens=1, start=300 + 10 * i))
+        s.add_request(req(f"t{i}", 4, max_tokens=1, start=600 + 10 * i))
+        out = step(s)
+        assert out.num_scheduled_tokens["long"] >= 8
+        assert out.num_scheduled_tokens[f"s{i}"] == 4 and out.num_scheduled_tokens[f"t{i}"] == 4
+    run_all(s, [])
+
+
+def test_cached_prompt_counts_as_short():
+    """What the prefix cache holds is not prefilled again: a long prompt whose prefix is cached
+    needs only its tail, and goes ahead of an uncached long prompt being chunked."""
+    s = make_sched(budget=16, num_blocks=128)
+    first = req("first", 60, max_tokens=1, start=1)
+    run_all(s, [first])
+    s.add_request(req("long", 120, max_tokens=1, start=500))
+    step(s)
+    again = req("again", 63, max_tokens=1, start=1)  # first's 60 tokens (15 full blocks) + 3
+    s.add_request(again)
+    out = step(s)
+    assert out.num_scheduled_tokens["again"] == 3
+    assert out.num_scheduled_tokens["long"] == 16 - 3
+    run_all(s, [])
+
+
+def test_short_prompts_keep_priority_order():
+    """Only waiting requests of the first waiting priority go ahead: a short prompt of a later
+    priority does not pass a long one of an earlier priority."""
+    s = make_sched(budget=16, max_seqs=8)
+    s.add_request(req("long", 100, max_tokens=1, start=1, priority=0))
+    s.add_request(req("short", 4, max_tokens=1, start=300, priority=1))
+    out = step(s)
+    assert out.num_scheduled_tokens == {"long": 16}
+    assert [r.request_id for r in s.waiting] == ["short"]
+    run_all(s, [])
+
+
+def test_waiting_order_restored_after_short_prompts_go_first():
+    s = make_sched(budget=8, max_seqs=3)
+    reqs = [req("a", 40, arrival=1.0), req("b", 40, arrival=2.0), req("c", 3, arrival=3.0),
+            req("d", 40, arrival=4.0), req("e", 3, arrival=5.0)]
+    for r in reqs:
+        s.add_request(r)
+    out = step(s)
+    assert out.num_scheduled_tokens == {"c": 3, "a": 5}  # e does not fit in the share beside c
+    assert [r.request_id for r in s.waiting] == ["b", "d", "e"]
+    run_all(s, [])
+    for r in reqs:
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, 5)
+
+
+def test_short_prompt_share_must_be_below_one():
+    for bad in (1.0, -0.1, "half", True):
+        with pytest.raises(ValueError, match="short_prompt_share"):
+            SchedulerConfig(short_prompt_share=bad)
