@@ -3,7 +3,7 @@ one run on one machine, decode judged as a share of the measured memory read ban
 
     .venv/bin/python scripts/bench_cpu.py [--model FILE.gguf] [--llama-python PATH]
         [--configs default,none-f32,...] [--decode-tokens 128] [--prefill 512,2048]
-        [--threads 2] [--out FILE.json] [--ppl]
+        [--threads 2] [--rounds 1] [--out FILE.json] [--ppl]
 
 - --model: any llama-architecture GGUF (default: the embedded default model), e.g. one written by
   scripts/make_random_gguf.py (random weights with TinyLlama-1.1B's or Llama-3.2-3B's shapes).
@@ -14,6 +14,11 @@ one run on one machine, decode judged as a share of the measured memory read ban
   for the instruction set you name) on the same file, thread count and token ids: decode =
   `generate` (top_k=1), median of 3 runs after a warm-up; prefill = `eval` of the same ids.
 Each configuration runs in a fresh process, so none sees another's caches or threads.
+
+--rounds N: run every configuration and llama.cpp N times, interleaved (round 1: each of them once,
+then round 2, ...), so a machine whose speed drifts over minutes (a shared VM) moves all of them
+alike. The table shows each engine's median over the rounds, and the ratios to llama.cpp are the
+median of the ratios within each round (a configuration against the llama.cpp run beside it).
 
 Two decode rates: `tok/s` is tokens over the wall time of the whole request (as recorded before
 issue 30); `decode-only` is the tokens after the first over the time after the first, the rate the
@@ -187,6 +192,36 @@ def bandwidth_share(r: dict, weight_bytes: int, kv_element_bytes: int, geo: dict
     r["bandwidth_pct"] = 100 * r["read_gb_s"] / gb_s if rate and gb_s else None
 
 
+RATED = ("decode_tok_s", "decode_only_tok_s")
+
+
+def _median(xs: list[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def median_run(runs: list[dict]) -> dict:
+    """One engine's rounds as one result: the median of each rate (the rest from the first round)."""
+    r = json.loads(json.dumps(runs[0]))
+    for key in RATED:
+        r[key] = _median([x[key] for x in runs])
+    for n in r["prefill"]:
+        r["prefill"][n]["tok_s"] = _median([x["prefill"][n]["tok_s"] for x in runs])
+        r["prefill"][n]["runs"] = [v for x in runs for v in x["prefill"][n]["runs"]]
+    r["decode_runs"] = [v for x in runs for v in x["decode_runs"]]
+    return r
+
+
+def ratio_to_llama(rounds: list[dict[str, dict]], name: str, lengths: list[int]) -> dict:
+    """A configuration's rates over llama.cpp's in the same round, median over the rounds."""
+    def ratio(get) -> float | None:
+        qs = [get(one[name]) / get(one["llama.cpp"]) for one in rounds if get(one[name]) and get(one["llama.cpp"])]
+        return statistics.median(qs) if qs else None
+    out: dict = {key: ratio(lambda r, key=key: r[key]) for key in RATED}
+    out["prefill"] = {str(n): ratio(lambda r, n=n: r["prefill"][str(n)]["tok_s"]) for n in lengths}
+    return out
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -202,12 +237,20 @@ def print_table(results: dict) -> None:
     lengths = results["prefill_lengths"]
     head = (f"{'engine':44s} {'decode tok/s':>12s} {'decode-only':>11s} {'MB/token':>9s} {'GB/s':>6s} "
             f"{'% of BW':>7s}" + "".join(f" {'prefill ' + str(n):>13s}" for n in lengths))
-    print(f"\n{head}\n{'-' * len(head)}")
+    rounds = len(results.get("rounds", [])) or 1
+    print(f"\n{head}{'  (median of ' + str(rounds) + ' rounds)' if rounds > 1 else ''}\n{'-' * len(head)}")
     for name, r in results["runs"].items():
         label = name if name == "llama.cpp" else f"kvserve {name} ({r['dtype']}, {r['quantization']})"
         print(f"{label[:44]:44s} {r['decode_tok_s']:12.1f} {_fmt(r['decode_only_tok_s'], '11.1f')} "
               f"{r['bytes_per_token'] / 1e6:9.1f} {_fmt(r['read_gb_s'], '6.1f')} {_fmt(r['bandwidth_pct'], '6.1f')}%"
               + "".join(f" {r['prefill'][str(n)]['tok_s']:13.1f}" for n in lengths), flush=True)
+    ratios = results.get("vs_llama_cpp")
+    if ratios:
+        print(f"\n{'x llama.cpp (median of per-round ratios)':44s} {'decode':>12s} {'decode-only':>11s}"
+              + "".join(f" {'prefill ' + str(n):>13s}" for n in lengths))
+        for name, q in ratios.items():
+            print(f"{'kvserve ' + name:44s} {_fmt(q['decode_tok_s'], '12.2f')} {_fmt(q['decode_only_tok_s'], '11.2f')}"
+                  + "".join(f" {_fmt(q['prefill'][str(n)], '13.2f')}" for n in lengths), flush=True)
 
 
 def main() -> None:
@@ -218,6 +261,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--prefill", default="2048", help="prompt lengths, comma-separated (e.g. 512,2048)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every configuration and llama.cpp this many times, interleaved")
     p.add_argument("--out", default=None, help="write every number as JSON")
     p.add_argument("--ppl", action="store_true", help="also measure int8 activations' perplexity cost")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -234,6 +279,8 @@ def main() -> None:
         p.error(f"--prefill: comma-separated token counts, got {args.prefill!r}")
     if args.decode_tokens < 2 or any(n < 1 for n in lengths):
         p.error("--decode-tokens must be at least 2 and every --prefill length at least 1")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     results = measure_all(args, configs, lengths)
     print_table(results)
     if args.out:
@@ -263,21 +310,34 @@ def measure_all(args: argparse.Namespace, configs: list[str], lengths: list[int]
                "command": shlex.join([os.path.relpath(sys.executable), *sys.argv]),
                "decode_tokens": args.decode_tokens, "prefill_lengths": lengths, "runs": {}}
     common = {"model": path, "decode_tokens": args.decode_tokens, "prefill": lengths, "ids": ids}
-    for name in configs:
-        kwargs, extra = CONFIGS[name]
-        r = _run(sys.executable, {"kind": "kvserve", "kwargs": kwargs, **common}, {**env, **extra})
-        bandwidth_share(r, r["weight_bytes"], r["kv_bytes_per_element"], geo, args.decode_tokens, gb_s)
-        results["runs"][name] = r
-        print(f"kvserve {name}: decode {r['decode_tok_s']:.1f} tok/s, {_fmt(r['bandwidth_pct'], '.1f')}% of "
-              f"bandwidth ({r['dtype']}, {r['quantization']})", flush=True)
+    rounds: list[dict[str, dict]] = []
+    for k in range(args.rounds):
+        one: dict[str, dict] = {}
+        tag = f"round {k + 1}/{args.rounds}: " if args.rounds > 1 else ""
+        for name in configs:
+            kwargs, extra = CONFIGS[name]
+            r = one[name] = _run(sys.executable, {"kind": "kvserve", "kwargs": kwargs, **common}, {**env, **extra})
+            bandwidth_share(r, r["weight_bytes"], r["kv_bytes_per_element"], geo, args.decode_tokens, gb_s)
+            print(f"{tag}kvserve {name}: decode {r['decode_tok_s']:.1f} tok/s, {_fmt(r['bandwidth_pct'], '.1f')}% "
+                  f"of bandwidth ({r['dtype']}, {r['quantization']})", flush=True)
+        if args.llama_python:
+            n_ctx = max([*lengths, 64 + args.decode_tokens]) + 64
+            r = one["llama.cpp"] = _run(args.llama_python, {"kind": "llama.cpp", "threads": args.threads,
+                                                           "n_ctx": n_ctx, **common}, env)
+            r.update(dtype="-", quantization="gguf")
+            bandwidth_share(r, geo["tensor_bytes"], LLAMA_KV_BYTES, geo, args.decode_tokens, gb_s)
+            print(f"{tag}llama.cpp: decode {r['decode_tok_s']:.1f} tok/s, {_fmt(r['bandwidth_pct'], '.1f')}% of "
+                  "bandwidth", flush=True)
+        rounds.append(one)
+    for name in rounds[0]:
+        r = results["runs"][name] = median_run([one[name] for one in rounds])
+        weights, kv_bytes = ((geo["tensor_bytes"], LLAMA_KV_BYTES) if name == "llama.cpp"
+                             else (r["weight_bytes"], r["kv_bytes_per_element"]))
+        bandwidth_share(r, weights, kv_bytes, geo, args.decode_tokens, gb_s)
+    if args.rounds > 1:
+        results["rounds"] = rounds
     if args.llama_python:
-        n_ctx = max([*lengths, 64 + args.decode_tokens]) + 64
-        r = _run(args.llama_python, {"kind": "llama.cpp", "threads": args.threads, "n_ctx": n_ctx, **common}, env)
-        r.update(dtype="-", quantization="gguf")
-        bandwidth_share(r, geo["tensor_bytes"], LLAMA_KV_BYTES, geo, args.decode_tokens, gb_s)
-        results["runs"]["llama.cpp"] = r
-        print(f"llama.cpp: decode {r['decode_tok_s']:.1f} tok/s, {_fmt(r['bandwidth_pct'], '.1f')}% of bandwidth",
-              flush=True)
+        results["vs_llama_cpp"] = {name: ratio_to_llama(rounds, name, lengths) for name in configs}
     if args.ppl:
         r = results["ppl"] = _run(sys.executable, {"kind": "ppl"}, env)
         print(f"perplexity, every linear through the blocks kernel: float32 activations {r['float32']:.4f}, "
