@@ -12,7 +12,11 @@ every later start, until the file was deleted by hand. So:
   STALE_DAYS; typical spread above NOISY, once NOISY_RETRY_S old; another kvserve version; made
   before `kvserve tune` asked) and a `spot_check` of the chosen candidate against the runner-up
   agrees with the cached ranking; otherwise it is measured again and rewritten, with `made` (unix
-  time) and `version`.
+  time) and `version`. An entry measured or spot-checked less than SHARED_START_S ago (`checked`)
+  is used without a spot check of its own, and one process at a time decides each entry (a lock
+  file beside it): engines started together on one machine (a router's replicas, P/D's prefill
+  and decode engines) must make the same choices, or their K/V cannot be exchanged, and two spot
+  checks (or measurements) run while the other engine loads can come out differently.
 
 Candidates are timed on one thread (`one_thread`). A parallel region waits for its slowest
 thread, so while a neighbour holds a core every multi-threaded call costs a scheduler quantum
@@ -27,6 +31,7 @@ each of which runs the same kernel on an even share of the rows.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -51,6 +56,7 @@ NOISY = 0.20  # a cached entry whose typical spread is above this was measured o
 # check still guards them)
 NOISY_RETRY_S = 3600
 STALE_DAYS = 30  # drivers, BIOS and neighbours change; a month-old choice is measured in full
+SHARED_START_S = 60  # an entry measured or spot-checked this recently is taken as it is
 SPOT_REPS = 2
 SPOT_TOLERANCE = 1.3  # how much slower than the runner-up a spot check may find the chosen candidate
 # Unix time set by `kvserve tune`: entries made before it are measured again (in every process).
@@ -221,11 +227,44 @@ def _read(path: Path) -> dict | None:
     return entry if isinstance(entry, dict) else None
 
 
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """One process at a time decides the entry at path (an flock, released if the process dies);
+    without a writable cache directory, no lock."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _write(path: Path, entry: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entry, indent=1))
+        os.replace(tmp, path)
+        _checked[path] = (_mtime(path), entry)
+    except OSError as e:
+        logger.debug("tuning cache %s not written: %s", path, e)
+
+
 def decide(kind: str, what: object, measure: Callable[[], dict],
            spot: Callable[[dict], str | None]) -> tuple[dict, str]:
-    """The cached entry if it is fresh and its spot check agrees, else measure() (written back);
-    and how, for the log line."""
+    """The cached entry if it is fresh and its spot check agrees (or it was measured or checked
+    less than SHARED_START_S ago), else measure() (written back); and how, for the log line."""
     path = cache_path(kind, what)
+    with _locked(path):
+        return _decide(path, measure, spot)
+
+
+def _decide(path: Path, measure: Callable[[], dict], spot: Callable[[dict], str | None]) -> tuple[dict, str]:
     entry = _read(path)
     try:
         why = staleness(entry)
@@ -235,23 +274,22 @@ def decide(kind: str, what: object, measure: Callable[[], dict],
         mtime = _mtime(path)
         if mtime is not None and _checked.get(path, (None,))[0] == mtime:
             return entry, "cached, checked earlier in this process"
+        now = time.time()
+        age = now - max(entry["made"], entry.get("checked", 0.0))
+        if 0 <= age < SHARED_START_S:
+            _checked[path] = (mtime, entry)
+            return entry, f"cached, measured or checked {age:.0f} s ago"
         try:
             with one_thread():
                 why = spot(entry)
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
             why = f"unreadable entry ({type(e).__name__}: {e})"
         if why is None:
-            _checked[path] = (mtime, entry)
+            entry = {**entry, "checked": now}
+            _write(path, entry)
             return entry, "cached, spot check agrees"
     with one_thread():
         measured = measure()
     entry = {**measured, "made": time.time(), "version": __version__, "threads": 1}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(entry, indent=1))
-        os.replace(tmp, path)
-        _checked[path] = (_mtime(path), entry)
-    except OSError as e:
-        logger.debug("tuning cache %s not written: %s", path, e)
+    _write(path, entry)
     return entry, f"measured: {why}"

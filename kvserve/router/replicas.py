@@ -228,7 +228,10 @@ class ReplicaSet:
         for name in MATCHING_FIELDS:
             value, (ref, ref_url) = r.kv_info.get(name), self.reference.get(name, (None, ""))
             if value is not None and ref is not None and value != ref:
-                return f"{name} differs: {ref_url} has {ref!r}, {r.url} has {value!r}"
+                hint = (" (it covers the weights, the compute dtype, the quantization and the KV cache dtype; "
+                        "--dtype auto may choose differently on machines that differ: give every engine "
+                        "the same --dtype)") if name == "model_fingerprint" else ""
+                return f"{name} differs: {ref_url} has {ref!r}, {r.url} has {value!r}{hint}"
         for name in MATCHING_FIELDS:
             if r.kv_info.get(name) is not None:
                 self.reference.setdefault(name, (r.kv_info[name], r.url))

@@ -6,6 +6,9 @@ prefill) choice of quantized linears, `kvserve tune --clear` and what `kvserve e
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -45,6 +48,8 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.delenv(evidence.TUNE_BEFORE_ENV, raising=False)
     monkeypatch.delenv(tuning.TUNING_ENV, raising=False)
     monkeypatch.setattr(evidence, "_checked", {})
+    # entries written by a test count as old: the spot check is what most tests here are about
+    monkeypatch.setattr(evidence, "SHARED_START_S", 0)
     return tmp_path / "tuning"
 
 
@@ -198,6 +203,54 @@ def test_a_spot_check_that_disagrees_measures_again(cache, monkeypatch, caplog):
         assert tuning.choose_dtype(64, 256) == torch.float32
     assert "(measured: spot check disagrees: float16/float32 at 1" in caplog.text
     assert clock.count["float16@1"] == evidence.SPOT_REPS + evidence.ROUNDS
+
+
+def test_an_entry_measured_or_checked_moments_ago_is_taken_as_it_is(cache, monkeypatch, caplog):
+    """Engines started together on one machine choose alike: the later ones take what the first
+    measured or spot-checked, without timing anything (their K/V must be exchangeable)."""
+    monkeypatch.setattr(evidence, "SHARED_START_S", 60)
+    set_flags(monkeypatch, bf16=True)
+    write_entry("dtype", [64, 256, NAMES], **dtype_entry({"float32": F32, "bfloat16": BF16_FAST},
+                                                         made=time.time() - 7200))
+    # now float32 looks faster: a spot check would disagree
+    slow_bf16 = dtype_clock({"float32": {1: 1e-4, 256: 1e-3}, "bfloat16": {1: 1e-3, 256: 1e-2}})
+    clock = use_clock(monkeypatch, dtype_clock({"float32": {1: 2e-4, 256: 4e-3}, "bfloat16": {1: 1e-4, 256: 1e-3}}))
+    assert tuning.choose_dtype(64, 256) == torch.bfloat16  # spot-checked: it agrees, and says when
+    assert len(clock.calls) == 2 * 2 * evidence.SPOT_REPS
+    checked = json.loads(next(cache.glob("dtype_*.json")).read_text())["checked"]
+    assert time.time() - checked < 60
+    monkeypatch.setattr(evidence, "_checked", {})  # another engine's process
+    clock = use_clock(monkeypatch, slow_bf16)
+    with caplog.at_level("INFO", logger=LOGGER):
+        assert tuning.choose_dtype(64, 256) == torch.bfloat16
+    assert "(cached, measured or checked 0 s ago" in caplog.text and not clock.calls
+    monkeypatch.setattr(evidence, "_checked", {})  # a start a while later spot-checks again
+    write_entry("dtype", [64, 256, NAMES], **{**json.loads(next(cache.glob("dtype_*.json")).read_text()),
+                                              "checked": time.time() - 61})
+    use_clock(monkeypatch, slow_bf16)
+    assert tuning.choose_dtype(64, 256) == torch.float32
+
+
+DECIDE_IN_CHILD = """
+import json, os, time
+from kvserve.kernels import evidence
+def measure():
+    time.sleep(2)  # long enough for the other process to arrive while this one measures
+    return {"times": {"who": os.getpid()}, "noise": {}}
+entry, how = evidence.decide("test", "x", measure, lambda e: "spot check disagrees")
+print(json.dumps([entry["times"]["who"], how]))
+"""
+
+
+def test_processes_deciding_at_once_take_one_measurement(tmp_path):
+    """Two processes with nothing cached: one measures, the other waits for it and takes its entry
+    (without the lock both measured, each while the other ran, and could choose differently)."""
+    env = {**os.environ, "KVSERVE_CACHE_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", DECIDE_IN_CHILD], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    got = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    assert got[0][0] == got[1][0], got
+    assert sorted(how.split(",")[0].split(":")[0] for _, how in got) == ["cached", "measured"], got
 
 
 def test_a_spot_check_asks_that_the_ranking_holds_not_the_ratio(monkeypatch):
