@@ -27,7 +27,7 @@ from kvserve.config_sections import (ATTENTION_BACKENDS, BLEND_SEPARATOR, CUDA_D
                                      KV_TRANSPORTS, POOLING_CHOICES, PREFIX_CACHES, QUANTIZATION_METHODS,
                                      SPECULATIVE_METHODS, STRUCTURED_OUTPUTS_BACKENDS, BlendConfig,
                                      CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig, check_bool,
-                                     check_choice, check_int, check_kv_sizing, check_recompute_ratio,
+                                     check_choice, check_fraction, check_int, check_kv_sizing,
                                      parse_cpu_threads_bind, parse_json_object, parse_size, resolve_attention_backend,
                                      triton_interpreting)
 
@@ -35,8 +35,8 @@ __all__ = ["EngineConfig", "Flag", "FLAGS", "FLAGS_BY_NAME", "SECTIONS", "ATTENT
            "CUDA_DEFAULT_GPU_MEMORY_UTILIZATION", "DTYPES", "EXECUTOR_BACKENDS", "KV_CACHE_DTYPES",
            "KV_LOAD_FAILURE_POLICIES", "KV_ROLES", "KV_TRANSPORTS", "MIN_KV_KEY_BYTES", "POOLING_CHOICES",
            "PREFIX_CACHES", "QUANTIZATION_METHODS", "SPECULATIVE_METHODS", "BlendConfig", "CacheConfig", "KVEventsConfig", "KVTransferConfig",
-           "ModelConfig", "ParallelConfig", "SchedulerConfig", "SpeculativeConfig", "TierConfig", "check_bool", "check_choice", "check_int",
-           "check_kv_sizing", "check_recompute_ratio", "parse_cpu_threads_bind", "parse_json_object", "parse_size",
+           "ModelConfig", "ParallelConfig", "SchedulerConfig", "SpeculativeConfig", "TierConfig", "check_bool", "check_choice", "check_fraction", "check_int",
+           "check_kv_sizing", "parse_cpu_threads_bind", "parse_json_object", "parse_size",
            "resolve_attention_backend", "triton_interpreting"]
 
 # EngineConfig's sections, by the name a Flag.target starts with.

@@ -209,7 +209,7 @@ class BlendConfig:
         check_bool("enable_blending", self.enabled)
         if not isinstance(self.separator, str) or not self.separator.strip():
             raise ValueError(f"blend_separator must be a non-blank string, got {self.separator!r}")
-        check_recompute_ratio("blend_recompute_ratio", self.recompute_ratio)
+        check_fraction("blend_recompute_ratio", self.recompute_ratio)
         check_int("blend_check_layer", self.check_layer, 0)
         check_int("blend_recompute_chunk_start", self.recompute_chunk_start, 0)
         check_int("blend_max_chunk_tokens", self.max_chunk_tokens, 1)
@@ -317,9 +317,11 @@ class SpeculativeConfig:
         return self.method in ("draft_model", "self_quantized")
 
 
-def check_recompute_ratio(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+def check_fraction(name: str, value: object, below_one: bool = False) -> None:
+    """A number in [0, 1] (below_one: [0, 1))."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0
+            or (below_one and value == 1.0)):
+        raise ValueError(f"{name} must be a number in [0, {')' if below_one else ']'}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -339,9 +341,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1)
-        if (isinstance(self.short_prompt_share, bool) or not isinstance(self.short_prompt_share, (int, float))
-                or not 0.0 <= self.short_prompt_share < 1.0):
-            raise ValueError(f"short_prompt_share must be a number in [0, 1), got {self.short_prompt_share!r}")
+        check_fraction("short_prompt_share", self.short_prompt_share, below_one=True)
         if self.max_num_batched_tokens is not None:
             check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.max_model_len is not None:

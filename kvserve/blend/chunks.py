@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvserve.config import BlendConfig, check_recompute_ratio
+from kvserve.config import BlendConfig, check_fraction
 
 # A blended span in the usage split (RequestOutput.num_cached_tokens_by_tier): tokens that kept reused
 # K/V and tokens recomputed. num_cached_tokens (cached_tokens) counts neither.
@@ -115,7 +115,7 @@ def check_blend_spec(spec: Any, cfg: BlendConfig, num_prompt_tokens: int, num_la
                              f"blend_max_chunk_tokens={cfg.max_chunk_tokens}")
         prev = end
     if spec.get("recompute_ratio") is not None:
-        check_recompute_ratio("blend.recompute_ratio", spec["recompute_ratio"])
+        check_fraction("blend.recompute_ratio", spec["recompute_ratio"])
     layer = spec.get("check_layer")
     if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers):
         raise ValueError(f"blend.check_layer must be an integer in [0, {num_layers}), got {layer!r}")
