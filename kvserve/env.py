@@ -171,14 +171,16 @@ def _dtype_auto() -> dict[str, Any]:
     """What `--dtype auto` picks on this CPU for the default model (measured now if not cached)."""
     import torch
 
-    from kvserve.models.loader import open_checkpoint, resolve_dtype
+    from kvserve.models.loader import open_checkpoint, resolve_dtype, runs_float32_kernels
     from kvserve.kernels import tuning
 
-    config = open_checkpoint(None).config
-    dtype = resolve_dtype("auto", "cpu", config)
+    ckpt = open_checkpoint(None)
+    config = ckpt.config
+    kernels = runs_float32_kernels(ckpt, None)
+    dtype = resolve_dtype("auto", "cpu", config, kernels)
     return {"dtype": str(dtype).removeprefix("torch."), "hidden": getattr(config, "hidden_size", None),
             "intermediate": getattr(config, "intermediate_size", None), "threads": torch.get_num_threads(),
-            "measured": tuning.enabled()}
+            "float32_kernels": kernels, "measured": tuning.enabled() and not kernels}
 
 
 def _env_vars() -> dict[str, str]:
@@ -267,6 +269,8 @@ def format(info: dict[str, Any]) -> str:
     d = info["dtype_auto"]
     if isinstance(d, str):
         auto = d
+    elif d["float32_kernels"]:
+        auto = f"{d['dtype']} (its linears run in the CPU kernels, which compute in float32)"
     elif d["measured"]:
         auto = f"{d['dtype']} (measured on its {d['intermediate']}x{d['hidden']} linear at {d['threads']} threads)"
     else:

@@ -48,7 +48,8 @@ def test_collect_and_format_report_this_machine(planted_tuning, monkeypatch):
     assert files["linears_test-env.json"]["dense_from"] == {"64x32:4bit": 64}
     assert "JSONDecodeError" in files["linears_test-env-broken.json"]["error"]
     assert set(info["c_kernels"]) >= {"compiler", "paged_decode", "qmatmul"}
-    assert info["dtype_auto"]["dtype"] in ("float32", "bfloat16", "float16")
+    # the default model is a Q4_1 GGUF: its linears run in the float32 kernels, nothing is timed
+    assert info["dtype_auto"]["dtype"] == "float32" and info["dtype_auto"]["float32_kernels"]
     assert info["env"]["KVSERVE_REMOTE_TOKEN"] == "(set, hidden)"
     json.dumps(info)  # plain data, for --json
 
@@ -57,7 +58,9 @@ def test_collect_and_format_report_this_machine(planted_tuning, monkeypatch):
                    "int8 activations (each shape counted once); dense from rows: 64x32:4bit 64"):
         assert needle in text
     auto = next(line for line in text.splitlines() if "--dtype auto on CPU" in line)
-    assert f" {info['dtype_auto']['dtype']} (measured on its 1536x576 linear" in auto
+    assert " float32 (its linears run in the CPU kernels, which compute in float32)" in auto
+    dense = dict(info, dtype_auto=dict(info["dtype_auto"], dtype="bfloat16", float32_kernels=False, measured=True))
+    assert " bfloat16 (measured on its 1536x576 linear" in env.format(dense)  # a dense model's dtype is timed
     assert "not-for-a-public-paste" not in text
 
 

@@ -27,7 +27,7 @@ from kvserve.distributed.parallel import check_parallel
 from kvserve.engine import connectors, defaults
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.models.generation_config import generation_defaults
-from kvserve.models.loader import Checkpoint, open_checkpoint, resolve_dtype
+from kvserve.models.loader import Checkpoint, open_checkpoint, resolve_dtype, runs_float32_kernels
 from kvserve.outputs import RequestOutput
 from kvserve.pooling_params import pooling_params, with_default_pooling
 from kvserve.request import Request, RequestStatus
@@ -65,7 +65,8 @@ class EngineCore:
         self.cache_config = cache_config
         self.hf_config = ckpt.config
         self.tokenizer = ckpt.tokenizer()
-        self.dtype = resolve_dtype(model_config.dtype, device, ckpt.config)
+        self.dtype = resolve_dtype(model_config.dtype, device, ckpt.config,
+                                   runs_float32_kernels(ckpt, model_config.quantization))
         self.model_path = str(ckpt.path.resolve())
         self.max_model_len = self._max_model_len(model_config.max_model_len)
         self.vocab_size = self.hf_config.vocab_size

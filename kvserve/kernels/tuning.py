@@ -6,7 +6,8 @@ linears' key also holds the kernels' source, so a changed kernel is measured aga
 
 - `choose_dtype` (before the model is built, for `--dtype auto` on a CPU): float32 or bfloat16
   (float16 too where the CPU computes it natively), by the time of a dense linear of the model's
-  hidden x intermediate shape at a decode-sized (1 row) and a prefill-sized (256 rows) batch.
+  hidden x intermediate shape at a decode-sized (1 row) and a prefill-sized (256 rows) batch;
+  float32 without measuring when the linears stay compressed in the float32 kernels.
 - `tune_linears` (after loading, for linears stored as Blocks): int8 or float32 activations for
   the quantized kernel (int8 only with KVSERVE_INT8_ACTIVATIONS=1); per weight shape the batch
   size from which dequantizing and one dense matmul beat the kernel (`dense_from`); and, for a
@@ -101,8 +102,19 @@ def pick_dtype(times: dict[str, dict[str, float]], flags: frozenset[str]) -> str
     return _dtype_ranking(times, flags)[0]
 
 
-def choose_dtype(hidden: int, intermediate: int) -> torch.dtype:
-    """The fastest activation dtype here for a model of these sizes (see the module docstring)."""
+def choose_dtype(hidden: int, intermediate: int, float32_kernels: bool = False) -> torch.dtype:
+    """The fastest activation dtype here for a model of these sizes (see the module docstring).
+
+    float32_kernels: the model's linears run compressed in kernels that compute in float32 (GGUF
+    blocks and K-quant rows, AWQ / GPTQ / int8 codes): float32, without measuring. A dense linear's
+    timing says nothing about that model: its linears compute in float32 whatever the dtype, the
+    C decode stack runs float32 models only, the dense prefill path takes bfloat16 per shape where
+    it wins (tune_linears' dense_dtype), and the rest of a step in bfloat16 only adds conversions.
+    On a Zen 4 with AVX512-BF16 (where a dense bfloat16 linear won 3x at 256 rows) a 1.1B Q4_0
+    GGUF decoded at 25 tok/s in bfloat16 and 37 in float32, with equal prefill (BENCHMARKS.md)."""
+    if float32_kernels:
+        logger.info("dtype auto -> float32 (the linears run in the float32 CPU kernels)")
+        return torch.float32
     flags = cpu.cpu_flags()
     names = [dtype_name(d) for d in dtype_candidates()]
     if not enabled():

@@ -228,6 +228,22 @@ def _expert_names(t: Any, num_experts: int, path: str) -> list[str] | None:
     return [f"model.layers.{layer}.block_sparse_moe.experts.{e}.{_EXPERT_LINEARS[kind]}.weight" for e in experts]
 
 
+def _decoder_linear(name: str) -> bool:
+    """Whether a GGUF tensor is a decoder linear's weight."""
+    from kvserve.quant.base import linear_prefix
+
+    hf = hf_name(name)
+    return name.endswith(".weight") and hf is not None and linear_prefix(hf) is not None
+
+
+def kernel_linears(reader: Any) -> bool:
+    """Whether any decoder linear of this GGUF file has a type the CPU kernels run compressed
+    (gguf_weights(compressed=True) hands it over as raw blocks); False for an all-float file."""
+    from kvserve.quant.gguf import REPACKABLE
+
+    return any(int(t.tensor_type) in REPACKABLE and _decoder_linear(t.name) for t in reader.tensors)
+
+
 def gguf_weights(reader: GGUFFile, config: Any, path: str,
                  compressed: bool = False) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
     """(number of items, iterator of (HF name, float32 tensor)).
@@ -236,7 +252,6 @@ def gguf_weights(reader: GGUFFile, config: Any, path: str,
     as its raw rows `<prefix>.ggml_blocks` (uint8 [out, bytes per row]; llama's q/k rows
     un-permuted, which moves whole rows of blocks) and `<prefix>.ggml_type` (0-d int64).
     """
-    from kvserve.quant.base import linear_prefix
     from kvserve.quant.gguf import REPACKABLE
 
     arch = gguf_architecture(reader, path)
@@ -246,8 +261,7 @@ def gguf_weights(reader: GGUFFile, config: Any, path: str,
     for t in tensors:
         if t.name not in experts and hf_name(t.name) is None:
             raise ValueError(f"GGUF file {path!r}: unexpected tensor {t.name!r}")
-    linears = [t for t in tensors if compressed and t.name not in experts and linear_prefix(hf_name(t.name))
-               and t.name.endswith(".weight")]
+    linears = [t for t in tensors if compressed and t.name not in experts and _decoder_linear(t.name)]
     raw = {t.name for t in linears if int(t.tensor_type) in REPACKABLE and len(t.data.shape) == 2}
     others = sorted({t.tensor_type.name for t in linears if t.name not in raw})
     if others:

@@ -72,9 +72,11 @@ def _linear_sizes(hf_config: Any) -> tuple[int, int]:
     return hidden, int(inter or 4 * hidden)
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu", hf_config: Any = None) -> torch.dtype:
-    """'auto' -> bfloat16 on CUDA; on a CPU the fastest of float32 / bfloat16 (/ float16) measured on
-    the model's linear shape (kvserve.kernels.tuning.choose_dtype, cached per CPU and model)."""
+def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu", hf_config: Any = None,
+                  float32_kernels: bool = False) -> torch.dtype:
+    """'auto' -> bfloat16 on CUDA; on a CPU kvserve.kernels.tuning.choose_dtype: float32 where the
+    linears run in the float32 CPU kernels (`float32_kernels`, see `runs_float32_kernels`), else the
+    fastest of float32 / bfloat16 (/ float16) measured on the model's linear shape (cached)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"unsupported dtype {dtype}; use one of auto, {', '.join(_DTYPES)}")
@@ -82,10 +84,24 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu", hf_config: Any 
     if dtype == "auto":
         if torch.device(device).type == "cuda":
             return torch.bfloat16
-        return tuning.choose_dtype(*_linear_sizes(hf_config))
+        return tuning.choose_dtype(*_linear_sizes(hf_config), float32_kernels=float32_kernels)
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; use one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
+
+
+def load_plan(ckpt: Checkpoint, quantization: str | None) -> quant.LoadPlan | None:
+    """How load_model installs the checkpoint's linears for --quantization (None: plain float)."""
+    return quant.hf_plan(quantization, ckpt.config) if ckpt.gguf_reader is None else quant.gguf_plan(quantization)
+
+
+def runs_float32_kernels(ckpt: Checkpoint, quantization: str | None) -> bool:
+    """Whether load_model will run this checkpoint's decoder linears in the CPU kernels that
+    compute in float32 (quant.LoadPlan.float32_kernels; a GGUF file only if it has such linears)."""
+    plan = load_plan(ckpt, quantization)
+    if plan is None or not plan.float32_kernels:
+        return False
+    return ckpt.gguf_reader is None or gguf_loader.kernel_linears(ckpt.gguf_reader)
 
 
 def load_model(model: str | None = None, dtype: str = "auto", device: str = "cpu",
@@ -98,8 +114,8 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "cpu
     """
     ckpt = open_checkpoint(model)
     config = ckpt.config
-    torch_dtype = resolve_dtype(dtype, device, config)
-    plan = quant.hf_plan(quantization, config) if ckpt.gguf_reader is None else quant.gguf_plan(quantization)
+    torch_dtype = resolve_dtype(dtype, device, config, runs_float32_kernels(ckpt, quantization))
+    plan = load_plan(ckpt, quantization)
     net, installer = _build(config, torch_dtype, device, plan, parallel)
     count, weights = ckpt.weights(compressed=plan is not None and plan.method.name == "gguf")
     tokenizer = ckpt.tokenizer()

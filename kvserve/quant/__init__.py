@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 # What quantization=None means for a GGUF file: its quantized linears stay compressed, as
 # llama.cpp and vLLM run them ("none" dequantizes them into --dtype).
 GGUF_DEFAULT = "gguf"
+FLOAT32_KERNEL_METHODS = frozenset({"gguf", "awq", "gptq", "int4", "int8"})
 
 __all__ = ["GGUF_DEFAULT", "Fp8Linear", "Int4Linear", "Int8Linear", "LinearInstaller", "LoadPlan", "StackedLinear",
            "gguf_plan", "hf_plan", "pack_fp8", "pack_int8", "quant_config", "quantize_lm_head", "quantized_linear"]
@@ -40,6 +41,12 @@ __all__ = ["GGUF_DEFAULT", "Fp8Linear", "Int4Linear", "Int8Linear", "LinearInsta
 class LoadPlan:
     method: QuantMethod  # reads the checkpoint's decoder linears
     dequantize: bool = False  # True: build plain nn.Linear in --dtype instead of kernels
+
+    @property
+    def float32_kernels(self) -> bool:
+        """Whether the linears run compressed in kernels whose CPU activations are float32 whatever
+        --dtype is (integer codes: qmatmul blocks, K-quant rows; fp8 is a dense matmul in --dtype)."""
+        return not self.dequantize and self.method.name in FLOAT32_KERNEL_METHODS
 
 
 def _quantize_hint(name: str) -> str:

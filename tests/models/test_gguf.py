@@ -151,3 +151,31 @@ def test_k_quants_dequantize_like_gguf_and_transformers(make_hf_checkpoint, writ
         assert torch.equal(got, torch.from_numpy(want.astype(np.float32))), q.name
     hf = _hf_from_gguf(path)
     torch.testing.assert_close(hf.model.layers[2].mlp.down_proj.weight, params["model.layers.2.mlp.down_proj.weight"])
+
+
+def test_dtype_auto_is_float32_where_the_linears_run_in_the_float32_kernels(make_hf_checkpoint, write_llama_gguf,
+                                                                          tmp_path, monkeypatch):
+    """--dtype auto does not time a dense linear for a model whose linears stay compressed: they
+    compute in float32 (and the C decode stack runs float32 models only); bfloat16 there decoded
+    1.5x slower on an AVX512-BF16 CPU where a dense bfloat16 linear won."""
+    from kvserve.kernels import tuning
+    from kvserve.models.loader import open_checkpoint, runs_float32_kernels
+
+    hf_dir, hf_src = make_hf_checkpoint(LlamaConfig(**SMALL))
+    quantized = write_llama_gguf(hf_src, tmp_path / "q.gguf", QTYPES)
+    floats = write_llama_gguf(hf_src, tmp_path / "f16.gguf", {k: Q.F16 for k in QTYPES})
+    assert runs_float32_kernels(open_checkpoint(str(quantized)), None)
+    assert runs_float32_kernels(open_checkpoint(str(quantized)), "gguf")
+    assert not runs_float32_kernels(open_checkpoint(str(quantized)), "none")  # dequantized into --dtype
+    assert not runs_float32_kernels(open_checkpoint(str(floats)), None)  # an all-float file: dense linears
+    hf = open_checkpoint(str(hf_dir))
+    assert not runs_float32_kernels(hf, None)
+    assert runs_float32_kernels(hf, "int8")  # quantized at load into the int8 kernel
+    assert not runs_float32_kernels(hf, "fp8")  # a dense matmul in --dtype
+
+    asked = []
+    monkeypatch.setattr(tuning, "choose_dtype", lambda h, i, float32_kernels=False: asked.append(float32_kernels)
+                        or (torch.float32 if float32_kernels else torch.bfloat16))
+    assert load_model(str(quantized), dtype="auto").model.model.norm.weight.dtype == torch.float32
+    assert load_model(str(floats), dtype="auto").model.model.norm.weight.dtype == torch.bfloat16
+    assert asked == [True, False]

@@ -154,7 +154,8 @@ def test_resolve_dtype(monkeypatch):
     from kvserve.kernels import tuning
 
     seen = []
-    monkeypatch.setattr(tuning, "choose_dtype", lambda h, i: seen.append((h, i)) or torch.float16)
+    monkeypatch.setattr(tuning, "choose_dtype",
+                        lambda h, i, float32_kernels=False: seen.append((h, i)) or torch.float16)
     assert resolve_dtype("auto") == torch.float16  # on a CPU, auto is what tuning measured
     cfg = type("Cfg", (), {"hidden_size": 64, "intermediate_size": 256})()
     resolve_dtype("auto", hf_config=cfg)

@@ -143,6 +143,17 @@ def test_bf16_on_a_cpu_without_bf16_needs_the_big_margin(cache, monkeypatch):
     assert len(list(cache.glob("dtype_*.json"))) == 2
 
 
+def test_float32_kernels_take_float32_without_timing_a_dense_linear(cache, monkeypatch, caplog):
+    # a CPU where a dense bfloat16 linear wins 4x: the compressed kernels compute in float32 anyway
+    clock = use_clock(monkeypatch, dtype_clock({"float32": {1: 4e-4, 256: 4e-3}, "bfloat16": {1: 1e-4, 256: 1e-3}}))
+    set_flags(monkeypatch, bf16=True)
+    with caplog.at_level("INFO", logger=LOGGER):
+        assert tuning.choose_dtype(64, 256, float32_kernels=True) == torch.float32
+    assert "dtype auto -> float32 (the linears run in the float32 CPU kernels)" in caplog.text
+    assert clock.calls == [] and not list(cache.glob("dtype_*"))
+    assert tuning.choose_dtype(64, 256) == torch.bfloat16  # a dense model's linears: measured
+
+
 # ---- cached decisions: stale, noisy, disagreeing ---------------------------------------------
 
 def test_a_fresh_quiet_entry_is_used_after_a_spot_check(cache, monkeypatch, caplog):
