@@ -48,26 +48,10 @@ KV_LAYOUT_TABLE(ds_layout,
     KV_LAYOUT_FIELD(Dims, kv_kind), KV_LAYOUT_FIELD(Dims, max_k), KV_LAYOUT_FIELD(Dims, eps),
     KV_LAYOUT_FIELD(Dims, scale))
 
-/* One thread's share [n0, n1) of the n outputs. */
-static inline void share(int64_t n, int64_t *n0, int64_t *n1) {
-    row_share(n, omp_get_thread_num(), omp_get_num_threads(), n0, n1);  /* whole groups of 8 (qmatmul.c) */
-}
-
-/* y [m, L->n] (row stride ldy) = x [m, L->k] @ W.T + bias, by every thread of the region; x's
-   block sums / int8 or int16 codes go into xs / xq first (thread 0). Ends at a barrier; then the
-   rows of L->rest, if any, the same way (each part prepares x as its kernel takes it). */
-static void lin_run(const Lin *L, const float *x, int64_t m, float *y, int64_t ldy, float *xs, void *xq) {
-    const int act = act_for(L->act, m);  /* the rule qlinear applies, so both paths sum alike */
+/* Rows [n0, n1) of y = x @ W.T + bias (act: the activations x was prepared in). */
+static void lin_rows(const Lin *L, int act, const float *x, int64_t m, float *y, int64_t ldy, const float *xs,
+                     const void *xq, int64_t n0, int64_t n1) {
     const int64_t nb = L->k / 32;
-    if (L->kind == LIN_KQUANT) {  /* int16 codes; scales xd [m nb] and half sums xh [2 m nb] in xs */
-        #pragma omp single
-        kq_quantize(x, L->k, m, L->k, (int16_t *)xq, xs, xs + m * nb, 1);  /* implicit barrier */
-    } else if (L->kind != LIN_DENSE) {
-        #pragma omp single
-        prepare_act(act, x, L->k, m, L->k, xq, xs, 1);  /* implicit barrier */
-    }
-    int64_t n0, n1;
-    share(L->n, &n0, &n1);
     if (L->kind == LIN_DENSE) {
         const float *w = (const float *)L->w;
         for (int64_t n = n0; n < n1; ++n)
@@ -86,7 +70,35 @@ static void lin_run(const Lin *L, const float *x, int64_t m, float *y, int64_t l
     if (L->bias)
         for (int64_t t = 0; t < m; ++t)
             for (int64_t n = n0; n < n1; ++n) y[t * ldy + n] += L->bias[n];
-    #pragma omp barrier
+}
+
+/* How many pieces per thread a linear's rows are cut into: the threads take them as they come
+   free, so on a shared CPU a thread that lost time to another process (or a core that runs
+   slower) leaves pieces to the others instead of holding every thread at the barrier after it.
+   The pieces are whole groups of 8 rows (an interleaved weight's group is one piece's); each
+   costs one kernel call (int16 activations split into bytes again: ~K operations). */
+#define LIN_PIECES_PER_THREAD 4
+
+/* y [m, L->n] (row stride ldy) = x [m, L->k] @ W.T + bias, by every thread of the region; x's
+   block sums / int8 or int16 codes go into xs / xq first (thread 0). Ends at a barrier; then the
+   rows of L->rest, if any, the same way (each part prepares x as its kernel takes it). The rows
+   are computed independently, so which thread takes a piece changes no output. */
+static void lin_run(const Lin *L, const float *x, int64_t m, float *y, int64_t ldy, float *xs, void *xq) {
+    const int act = act_for(L->act, m);  /* the rule qlinear applies, so both paths sum alike */
+    const int64_t nb = L->k / 32;
+    if (L->kind == LIN_KQUANT) {  /* int16 codes; scales xd [m nb] and half sums xh [2 m nb] in xs */
+        #pragma omp single
+        kq_quantize(x, L->k, m, L->k, (int16_t *)xq, xs, xs + m * nb, 1);  /* implicit barrier */
+    } else if (L->kind != LIN_DENSE) {
+        #pragma omp single
+        prepare_act(act, x, L->k, m, L->k, xq, xs, 1);  /* implicit barrier */
+    }
+    const int64_t unit = L->n % 8 == 0 ? 8 : 1, units = L->n / unit;
+    int64_t pieces = (int64_t)omp_get_num_threads() * LIN_PIECES_PER_THREAD;
+    if (pieces > units) pieces = units;
+    #pragma omp for schedule(dynamic, 1)  /* its implicit barrier ends the linear */
+    for (int64_t p = 0; p < pieces; ++p)
+        lin_rows(L, act, x, m, y, ldy, xs, xq, units * p / pieces * unit, units * (p + 1) / pieces * unit);
     if (L->rest) lin_run(L->rest, x, m, y + L->n, ldy, xs, xq);
 }
 
