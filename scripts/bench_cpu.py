@@ -2,7 +2,7 @@
 one run on one machine, decode judged as a share of the measured memory read bandwidth (issues 11, 30).
 
     .venv/bin/python scripts/bench_cpu.py [--model FILE.gguf] [--llama-python PATH]
-        [--configs default,none-f32,...] [--decode-tokens 128] [--prefill 512,2048]
+        [--configs default,f32,bf16,none-f32,...] [--decode-tokens 128] [--prefill 512,2048]
         [--threads 2] [--rounds 1] [--out FILE.json] [--ppl]
 
 - --model: any llama-architecture GGUF (default: the embedded default model), e.g. one written by
@@ -52,6 +52,8 @@ LLAMA_KV_BYTES = 2  # llama.cpp's default K/V cache type is F16
 # name -> (LLM keyword arguments, extra environment)
 CONFIGS = {
     "default": ({}, {}),
+    "f32": ({"dtype": "float32"}, {}),
+    "bf16": ({"dtype": "bfloat16"}, {}),
     "int8-activations": ({}, {"KVSERVE_INT8_ACTIVATIONS": "1"}),
     "tuning-off": ({}, {"KVSERVE_KERNEL_TUNING": "off"}),
     "no-decode-stack": ({}, {"KVSERVE_DECODE_STACK": "0"}),
