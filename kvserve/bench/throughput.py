@@ -186,7 +186,8 @@ def _load_hf(args: argparse.Namespace) -> tuple[Any, Any, str, Any]:
 
     directory, gguf_file = _hf_model_source(args.model)
     kw = {"gguf_file": gguf_file} if gguf_file else {}
-    # 'auto' resolves on the model's own shapes, as kvserve's does: both run the same dtype
+    # 'auto' resolves on the model's own shapes, as kvserve's does for dense linears (HF runs a GGUF
+    # dequantized; kvserve keeps its linears in the float32 kernels and takes float32 for them)
     dtype = resolve_dtype(args.dtype, args.device, AutoConfig.from_pretrained(directory, **kw))
     tokenizer = AutoTokenizer.from_pretrained(directory, **kw)
     model_kw = dict(kw)
