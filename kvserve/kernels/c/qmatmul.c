@@ -98,12 +98,21 @@ static inline __m256i load_codes(const uint8_t *wr, int64_t b, int bits) {
     if (bits == 4) return _mm256_sub_epi8(unpack_q4(wr + b * 16), _mm256_set1_epi8(8));
     return _mm256_loadu_si256((const __m256i *)(wr + b * 32));
 }
+/* VNNI (AVX512-VNNI with VL, or AVX-VNNI): acc + in each int32 lane the sum of its 4 u8 x s8
+   products, in one instruction, exactly. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define HAS_VNNI 1
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+#define HAS_VNNI 1
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+#define HAS_VNNI 0
+#endif
 /* 8 int32: each the sum of 4 adjacent u8 x s8 products (no product pair may exceed 32767). */
 static inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#if HAS_VNNI
+    return dpbusd(_mm256_setzero_si256(), u, s);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
@@ -481,12 +490,7 @@ static void gemv_int16(int bits, const uint8_t *wq, const float *wd, const float
    horizontal sums: 1.2-1.5x the GB/s of the row-major kernel at one token from DRAM on Zen 3
    (scripts/bench_gemv_layout.py). The int16 sums (lo: at most 4 x 2 x 255 x 15 = 30600; hi:
    8 x 2 x 128 x 15 = 30720) cannot overflow. */
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
-#else
-#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
-#endif
+#if HAS_VNNI
 /* With VNNI, vpdpbusd sums 4 byte products straight into int32 lanes: the nibbles are both
    unsigned bytes (against the signed hi bytes) and non-negative signed ones (against the unsigned
    lo bytes), so per chunk 4 dpbusd replace 4 maddubs and their int16 adds, and the final widening
@@ -500,14 +504,13 @@ static inline __m256i il_block_sum(const uint8_t *wb, const uint8_t *lo, const i
     for (int c = 0; c < 4; ++c) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 32 * c));
         const __m256i wl = _mm256_and_si256(v, m4), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        sl0 = DPBUSD(sl0, _mm256_set1_epi32(l4[c]), wl);
-        sl1 = DPBUSD(sl1, _mm256_set1_epi32(l4[4 + c]), wh);
-        sh0 = DPBUSD(sh0, wl, _mm256_set1_epi32(h4[c]));
-        sh1 = DPBUSD(sh1, wh, _mm256_set1_epi32(h4[4 + c]));
+        sl0 = dpbusd(sl0, _mm256_set1_epi32(l4[c]), wl);
+        sl1 = dpbusd(sl1, _mm256_set1_epi32(l4[4 + c]), wh);
+        sh0 = dpbusd(sh0, wl, _mm256_set1_epi32(h4[c]));
+        sh1 = dpbusd(sh1, wh, _mm256_set1_epi32(h4[4 + c]));
     }
     return _mm256_add_epi32(_mm256_add_epi32(sl0, sl1), _mm256_slli_epi32(_mm256_add_epi32(sh0, sh1), 8));
 }
-#undef DPBUSD
 #else
 static inline __m256i il_block_sum(const uint8_t *wb, const uint8_t *lo, const int8_t *hi) {
     const __m256i m4 = _mm256_set1_epi8(15);
