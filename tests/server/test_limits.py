@@ -32,6 +32,26 @@ def _error(body: bytes) -> dict:
     return err
 
 
+def _chunked_post(base: str, path: str, body: bytes, piece: int = 8192) -> tuple[int, bytes]:
+    """POST `body` chunked, as urllib3 and httpcore send one: a server that answers before the
+    body ends and closes with it unread makes the next send fail (EPIPE / reset); the client then
+    stops sending and reads the answer, which arrived before the reset."""
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     "Transfer-Encoding: chunked\r\n\r\n".encode())
+        try:
+            for i in range(0, len(body), piece):
+                part = body[i:i + piece]
+                sock.sendall(b"%x\r\n%s\r\n" % (len(part), part))
+            sock.sendall(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        resp = http.client.HTTPResponse(sock)
+        resp.begin()
+        return resp.status, resp.read()
+
+
 def test_body_over_the_limit_is_refused_unread(srv):
     body = json.dumps({"model": MODEL, "prompt": "x" * (2 * LIMIT)}).encode()
     status, raw, _ = http_request("POST", f"{srv.v1}/completions", body)
@@ -39,13 +59,8 @@ def test_body_over_the_limit_is_refused_unread(srv):
     err = _error(raw)
     assert "--max-request-bytes" in err["message"] and err["code"] == 413
     # without a Content-Length (chunked), refused at the first byte past the limit
-    host, port = srv.base.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request("POST", "/v1/completions", body=iter([body[i:i + 8192] for i in range(0, len(body), 8192)]),
-                 headers={"content-type": "application/json"}, encode_chunked=True)
-    resp = conn.getresponse()
-    assert resp.status == 413 and "--max-request-bytes" in _error(resp.read())["message"]
-    conn.close()
+    status, raw = _chunked_post(srv.base, "/v1/completions", body)
+    assert status == 413 and "--max-request-bytes" in _error(raw)["message"], raw
     ok = http_request("POST", f"{srv.v1}/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 2})
     assert ok[0] == 200, ok[1]
 
