@@ -39,3 +39,16 @@ def test_no_rate_or_no_bandwidth_gives_no_share(bench):
     r = {"prompt_tokens": 1, "decode_only_tok_s": 5.0}
     bench.bandwidth_share(r, 100, 2, geo, 8, None)
     assert r["read_gb_s"] > 0 and r["bandwidth_pct"] is None
+
+
+def test_table_names_the_bandwidth_read_before_each_round(bench, capsys):
+    run = {"dtype": "float32", "quantization": "gguf", "decode_tok_s": 30.0, "decode_only_tok_s": 31.0,
+           "bytes_per_token": 6e8, "read_gb_s": 18.6, "bandwidth_pct": 50.0, "prefill": {"512": {"tok_s": 100.0}}}
+    bw = {"gb_s": 37.2, "bytes": 256 << 20, "seconds": [0.01] * 10}
+    results = {"cpu": "a CPU", "isa_level": "avx2", "flags": ["avx2"], "threads": 2, "bandwidth": bw,
+               "bandwidth_rounds_gb_s": [30.1, 37.2], "geometry": {"file_bytes": 6e8}, "model": "m.gguf",
+               "command": "bench", "prefill_lengths": [512], "runs": {"default": run}, "rounds": [{}, {}]}
+    bench.print_table(results)
+    out = capsys.readouterr().out
+    assert "read bandwidth 37.2 GB/s (256 MiB, best of 10 reads) before each round: 30.1, 37.2" in out
+    assert "kvserve default (float32, gguf)" in out and "(median of 2 rounds)" in out
