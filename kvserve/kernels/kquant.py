@@ -15,7 +15,7 @@ import ctypes
 
 import torch
 
-from kvserve.kernels import build, layout
+from kvserve.kernels import build, layout, qmatmul
 
 Q4_K, Q5_K, Q6_K = 12, 13, 14  # GGMLQuantizationType values
 BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}  # per 256 weights
@@ -98,11 +98,12 @@ def matmul(x: torch.Tensor, m: KqMatrix) -> torch.Tensor:
     return y
 
 
-def dequantize(m: KqMatrix) -> torch.Tensor:
-    """W [N, K] float32."""
+def dequantize(m: KqMatrix, reuse: bool = False) -> torch.Tensor:
+    """W [N, K] float32 (reuse: into this thread's scratch buffer, as qmatmul.dequantize)."""
     lib = load()
     assert lib is not None
-    out = torch.empty(num_rows(m), m.k)
+    n = num_rows(m)
+    out = qmatmul.scratch(n * m.k, torch.float32).view(n, m.k) if reuse else torch.empty(n, m.k)
     lib.kq_dequantize(ctypes.addressof(m), out.data_ptr(), torch.get_num_threads())
     return out
 

@@ -217,9 +217,10 @@ def _linear_paths(m: nn.Module, dtype: torch.dtype, bf16: bool) -> dict[str, Cal
     laid = {mode: qmatmul.relayout(w, mode == "int16") for mode in qmatmul.MODES}
     paths: dict[str, Callable[[int], object]] = {
         mode: (lambda r, mode=mode: qmatmul.matmul(x[:r], laid[mode], mode)) for mode in qmatmul.MODES}
-    paths["dense"] = lambda r: F.linear(xd[:r], qmatmul.dequantize(w).to(dtype))
+    paths["dense"] = lambda r: F.linear(xd[:r], qmatmul.dequantize(w, dtype, reuse=True))
     if bf16:
-        paths["dense_bf16"] = lambda r: F.linear(xd[:r].bfloat16(), qmatmul.dequantize(w).bfloat16()).to(dtype)
+        paths["dense_bf16"] = lambda r: F.linear(xd[:r].bfloat16(),
+                                                 qmatmul.dequantize(w, torch.bfloat16, reuse=True)).to(dtype)
     return paths
 
 

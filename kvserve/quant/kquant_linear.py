@@ -81,7 +81,7 @@ class KQuantLinear(_QuantLinear):
         if self.path == "dense":
             return F.linear(x, self.weight.to(x.dtype))
         if x.shape[0] >= self.dense_from:  # prefill-sized: compute-bound, one dense matmul
-            return F.linear(x, kquant.dequantize(self.matrix()).to(x.dtype))
+            return F.linear(x, kquant.dequantize(self.matrix(), reuse=True).to(x.dtype))
         return kquant.matmul(x.float(), self.matrix()).to(x.dtype)
 
     def _stored_weight(self) -> torch.Tensor:

@@ -312,7 +312,7 @@ class GroupCodesLinear(_QuantLinear):
         if self.path == "blocks":
             if x.shape[0] >= self.dense_from:  # prefill-sized: one dense matmul, on bf16 units if tuning chose them
                 dt = self.dense_dtype or x.dtype
-                return F.linear(x.to(dt), qmatmul.dequantize(self.blocks()).to(dt)).to(x.dtype)
+                return F.linear(x.to(dt), qmatmul.dequantize(self.blocks(), dt, reuse=True)).to(x.dtype)
             return qmatmul.matmul(x.float(), self.blocks(), self.activations).to(x.dtype)
         if self.path == "triton":
             return _triton_matmul().matmul(x, self.codes, self.scale, self.offset, self.group)

@@ -118,6 +118,10 @@ def test_linear_kernel_dense_path_and_rows(qtype):
     ids = torch.tensor([47, 0, 5, 5, 31])
     torch.testing.assert_close(lin.rows(ids), ref[ids], rtol=1e-6, atol=1e-6)
     assert lin.raw.numel() == raw.size  # the file's bytes, nothing more
+    # the dense path dequantizes into the thread's reused buffer: the same bits as a fresh one
+    m = lin.matrix()
+    again = kquant.dequantize(m, reuse=True)
+    assert torch.equal(again, kquant.dequantize(m)) and again.data_ptr() == kquant.dequantize(m, reuse=True).data_ptr()
 
 
 def test_convert_settle_and_shard():

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -101,6 +102,13 @@ def check_blocks(w, dense, bits: int, n: int, k: int) -> list[str]:
     if not (torch.allclose(qmatmul.dequantize(w), dense, rtol=1e-6, atol=1e-7)
             and torch.allclose(qmatmul.reference(w), dense, rtol=1e-6, atol=1e-7)):
         bad.append(f"dequantize {bits}-bit {n}x{k}")
+    # bfloat16 written directly is float32's value rounded as torch rounds it; a row range is those rows
+    f32, a, b = qmatmul.dequantize(w), n // 3, n - 1
+    if not (torch.equal(qmatmul.dequantize(w, torch.bfloat16).view(torch.int16), f32.bfloat16().view(torch.int16))
+            and torch.equal(qmatmul.dequantize(w, rows=(a, b)), f32[a:b])
+            and torch.equal(qmatmul.dequantize(w, torch.bfloat16, (a, b)), f32[a:b].bfloat16())
+            and torch.equal(qmatmul.dequantize(w, torch.float16), f32.half())):
+        bad.append(f"dequantize {bits}-bit {n}x{k} to bfloat16 / float16 / rows [{a}, {b})")
     for m in (1, 2, 3, 4, 5, 9, 12, 17, 130):  # 12+: the panel path; 130 spans two token chunks
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         ref = F.linear(x, dense)
@@ -132,6 +140,26 @@ def check_blocks(w, dense, bits: int, n: int, k: int) -> list[str]:
 def test_qmatmul_matches_dequantized_weight():
     assert qmatmul.load() is not None, "the C kernel must build here (gcc is part of the setup)"
     assert check_qmatmul() == []
+
+
+def test_dequantize_into_a_reused_buffer():
+    """reuse=True writes into the calling thread's scratch (no fresh pages per prefill matmul):
+    the same bits as a fresh buffer, the same memory call after call, another per thread."""
+    if qmatmul.load() is None:
+        pytest.skip("no C compiler")
+    _, w = _blocks(4, 48, 256, 32, half=True)
+    _, small = _blocks(4, 16, 256, 32, seed=1, half=True)
+    a = qmatmul.dequantize(w, torch.bfloat16, reuse=True)
+    assert torch.equal(a, qmatmul.dequantize(w, torch.bfloat16))
+    ptr = a.data_ptr()
+    b = qmatmul.dequantize(small, torch.bfloat16, reuse=True)  # smaller: the same buffer, the new weight
+    assert b.data_ptr() == ptr and torch.equal(b, qmatmul.dequantize(small, torch.bfloat16))
+    assert torch.equal(qmatmul.dequantize(w, reuse=True), qmatmul.dequantize(w))  # float32 has its own
+    other = []
+    t = threading.Thread(target=lambda: other.append(qmatmul.dequantize(w, torch.bfloat16, reuse=True).data_ptr()))
+    t.start()
+    t.join()
+    assert other[0] != ptr
 
 
 @pytest.mark.parametrize("level", cpu.runnable_levels())

@@ -1126,16 +1126,37 @@ void qlinear(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_
     free(xs);
 }
 
-/* W [N, K] as float32 (bits may carry HALF_SCALES, KSCALES, INTERLEAVED). */
-void dequantize(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t N, int64_t K, float *w,
-                int nthreads) {
+/* float32 -> bfloat16 bits, rounded to nearest even as torch's conversion rounds (NaN: 0x7FC0). */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+#if defined(__AVX2__)
+/* float_to_bf16 of 8 floats at once. */
+static inline __m128i bf16x8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+#endif
+
+/* Rows [n0, n1) of W as float32, or bfloat16 when bf16 (w: [n1 - n0, K]; bits may carry
+   HALF_SCALES, KSCALES, INTERLEAVED). bfloat16 is float32's value rounded once: the same bits as
+   converting the float32 result, without writing and reading it (a prefill's dense bfloat16 matmul
+   dequantizes its weight on every call). */
+void dequantize(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t n0, int64_t n1, int64_t K,
+                void *w, int bf16, int nthreads) {
     const int half = bits & HALF_SCALES, il = bits & INTERLEAVED, ks = bits & KSCALES;
     bits &= ~(HALF_SCALES | INTERLEAVED | KSCALES);
     const int64_t nb = K / 32, row_bytes = bits == 4 ? K / 2 : K;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
+    for (int64_t n = n0; n < n1; ++n) {
         const uint8_t *wr = wq + n * row_bytes;
-        float *dst = w + n * K;
         for (int64_t b = 0; b < nb; ++b) {
             /* where row n's block b is: its bytes, or (interleaved) its chunks' lanes: 4-bit 4, 8-bit 8 */
             const int64_t at = il ? ((n >> 3) * nb + b) * 8 + (n & 7) : n * nb + b, bb = bits == 4 ? 16 : 32;
@@ -1149,11 +1170,27 @@ void dequantize(int bits, const uint8_t *wq, const void *wd, const void *wc, int
                 d = half ? half_to_float(((const uint16_t *)wd)[at]) : ((const float *)wd)[at];
                 c = wc ? ((const float *)wc)[at] : 0.f;
             }
-            float *o = dst + b * 32;
+            const int64_t o = (n - n0) * K + b * 32;
+#if defined(__AVX2__)
+            __m256 wv[4];
+            block_floats(il ? blk : wr, il ? 0 : b, bits, wv);
+            for (int q = 0; q < 4; ++q) {  /* 4-bit: the nibbles centred (exact in float), as codes_of does */
+                const __m256 code = bits == 4 ? _mm256_sub_ps(wv[q], _mm256_set1_ps(8.f)) : wv[q];
+                const __m256 v = _mm256_fmadd_ps(code, _mm256_set1_ps(d), _mm256_set1_ps(c));
+                if (bf16) _mm_storeu_si128((__m128i *)((uint16_t *)w + o + 8 * q), bf16x8(v));
+                else _mm256_storeu_ps((float *)w + o + 8 * q, v);
+            }
+            continue;
+#endif
             int8_t code[32];
             if (il) codes_of(blk, 0, bits, code);
             else codes_of(wr, b, bits, code);
-            for (int j = 0; j < 32; ++j) o[j] = (float)code[j] * d + c;
+            float v[32];
+            for (int j = 0; j < 32; ++j) v[j] = (float)code[j] * d + c;
+            if (bf16)
+                for (int j = 0; j < 32; ++j) ((uint16_t *)w)[o + j] = float_to_bf16(v[j]);
+            else
+                memcpy((float *)w + o, v, sizeof v);
         }
     }
 }
