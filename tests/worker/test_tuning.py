@@ -22,6 +22,7 @@ from kvserve.quant.base import quantize_rtn
 from kvserve.kernels import cpu, evidence, qmatmul, tuning
 
 BF16 = tuning.NATIVE["bfloat16"]
+FP16 = tuning.NATIVE["float16"]
 LOGGER = "kvserve.kernels.tuning"
 
 
@@ -60,9 +61,12 @@ def use_clock(monkeypatch, seconds: Callable[[str, int], float]) -> Clock:
 
 
 def set_flags(monkeypatch, bf16: bool) -> None:
-    """This CPU's flags with or without bfloat16 arithmetic (the rest kept, so the C kernels' ISA
-    level and build do not change)."""
-    flags = (cpu.cpu_flags() | BF16) if bf16 else (cpu.cpu_flags() - BF16)
+    """This CPU's flags with or without bfloat16 arithmetic and never with float16 arithmetic (the
+    rest kept, so the C kernels' ISA level and build do not change). Without dropping float16 a
+    CPU that has it (Sapphire Rapids: avx512_fp16, amx_fp16) would time a third dtype, which the
+    tests' clocks do not know."""
+    flags = cpu.cpu_flags() - FP16
+    flags = (flags | BF16) if bf16 else (flags - BF16)
     monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
 
 
