@@ -63,7 +63,7 @@ KSCALES = 64  # or'ed into Blocks.kind: factored scales and offsets (the module 
 MODES = ("float32", "int8", "int16")  # activations: exact floats, or int8 / int16 codes per 32-value block
 _i64, _vp, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {  # the two entry points; the rest of the source is static
-    "dequantize": [_int, _vp, _vp, _vp, _i64, _i64, _i64, _vp, _int, _int],
+    "dequantize": [_int, _vp, _vp, _vp, _i64, _i64, _vp, _int, _int],
     "qlinear": [_int, _vp, _vp, _vp, _i64, _i64, _vp, _i64, _i64, _vp, _i64, _int, _int],
 }
 _lib: ctypes.CDLL | None = None
@@ -247,11 +247,9 @@ def matmul(x: torch.Tensor, w: Blocks, mode: str) -> torch.Tensor:
     return y
 
 
-def dequantize(w: Blocks, dtype: torch.dtype = torch.float32, rows: tuple[int, int] | None = None,
-               reuse: bool = False) -> torch.Tensor:
-    """W [N, K] (rows [a, b) only, if given) in `dtype`: float32, or bfloat16 written directly
-    (the float32 value rounded to nearest even, as `.bfloat16()` would), other dtypes converted
-    from float32.
+def dequantize(w: Blocks, dtype: torch.dtype = torch.float32, reuse: bool = False) -> torch.Tensor:
+    """W [N, K] in `dtype`: float32, or bfloat16 written directly (the float32 value rounded to
+    nearest even, as `.bfloat16()` would), other dtypes converted from float32.
 
     reuse: into this thread's scratch buffer, valid until its next reuse call (a prefill-sized
     dense matmul's weight, used once and dropped). A fresh buffer of tens of MB costs more than
@@ -260,13 +258,10 @@ def dequantize(w: Blocks, dtype: torch.dtype = torch.float32, rows: tuple[int, i
     lib = load()
     assert lib is not None
     n, k = w.shape
-    a, b = rows or (0, n)
-    if not 0 <= a <= b <= n:
-        raise ValueError(f"rows [{a}, {b}) outside the weight's {n}")
     bf16 = dtype == torch.bfloat16
     kind = torch.bfloat16 if bf16 else torch.float32
-    out = scratch((b - a) * k, kind).view(b - a, k) if reuse else torch.empty(b - a, k, dtype=kind)
-    lib.dequantize(w.kind, w.codes.data_ptr(), w.d.data_ptr(), _ptr(w.c), a, b, k, out.data_ptr(), int(bf16),
+    out = scratch(n * k, kind).view(n, k) if reuse else torch.empty(n, k, dtype=kind)
+    lib.dequantize(w.kind, w.codes.data_ptr(), w.d.data_ptr(), _ptr(w.c), n, k, out.data_ptr(), int(bf16),
                    torch.get_num_threads())
     return out.to(dtype)
 

@@ -102,13 +102,11 @@ def check_blocks(w, dense, bits: int, n: int, k: int) -> list[str]:
     if not (torch.allclose(qmatmul.dequantize(w), dense, rtol=1e-6, atol=1e-7)
             and torch.allclose(qmatmul.reference(w), dense, rtol=1e-6, atol=1e-7)):
         bad.append(f"dequantize {bits}-bit {n}x{k}")
-    # bfloat16 written directly is float32's value rounded as torch rounds it; a row range is those rows
-    f32, a, b = qmatmul.dequantize(w), n // 3, n - 1
+    # bfloat16 written directly is float32's value rounded as torch rounds it
+    f32 = qmatmul.dequantize(w)
     if not (torch.equal(qmatmul.dequantize(w, torch.bfloat16).view(torch.int16), f32.bfloat16().view(torch.int16))
-            and torch.equal(qmatmul.dequantize(w, rows=(a, b)), f32[a:b])
-            and torch.equal(qmatmul.dequantize(w, torch.bfloat16, (a, b)), f32[a:b].bfloat16())
             and torch.equal(qmatmul.dequantize(w, torch.float16), f32.half())):
-        bad.append(f"dequantize {bits}-bit {n}x{k} to bfloat16 / float16 / rows [{a}, {b})")
+        bad.append(f"dequantize {bits}-bit {n}x{k} to bfloat16 / float16")
     for m in (1, 2, 3, 4, 5, 9, 12, 17, 130):  # 12+: the panel path; 130 spans two token chunks
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         ref = F.linear(x, dense)

@@ -1145,17 +1145,17 @@ static inline __m128i bf16x8(__m256 v) {
 }
 #endif
 
-/* Rows [n0, n1) of W as float32, or bfloat16 when bf16 (w: [n1 - n0, K]; bits may carry
-   HALF_SCALES, KSCALES, INTERLEAVED). bfloat16 is float32's value rounded once: the same bits as
-   converting the float32 result, without writing and reading it (a prefill's dense bfloat16 matmul
-   dequantizes its weight on every call). */
-void dequantize(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t n0, int64_t n1, int64_t K,
-                void *w, int bf16, int nthreads) {
+/* W [N, K] as float32, or bfloat16 when bf16 (bits may carry HALF_SCALES, KSCALES, INTERLEAVED).
+   bfloat16 is float32's value rounded once: the same bits as converting the float32 result,
+   without writing and reading it (a prefill's dense bfloat16 matmul dequantizes its weight on
+   every call). */
+void dequantize(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t N, int64_t K, void *w,
+                int bf16, int nthreads) {
     const int half = bits & HALF_SCALES, il = bits & INTERLEAVED, ks = bits & KSCALES;
     bits &= ~(HALF_SCALES | INTERLEAVED | KSCALES);
     const int64_t nb = K / 32, row_bytes = bits == 4 ? K / 2 : K;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t n = 0; n < N; ++n) {
         const uint8_t *wr = wq + n * row_bytes;
         for (int64_t b = 0; b < nb; ++b) {
             /* where row n's block b is: its bytes, or (interleaved) its chunks' lanes: 4-bit 4, 8-bit 8 */
@@ -1170,7 +1170,7 @@ void dequantize(int bits, const uint8_t *wq, const void *wd, const void *wc, int
                 d = half ? half_to_float(((const uint16_t *)wd)[at]) : ((const float *)wd)[at];
                 c = wc ? ((const float *)wc)[at] : 0.f;
             }
-            const int64_t o = (n - n0) * K + b * 32;
+            const int64_t o = n * K + b * 32;
 #if defined(__AVX2__)
             __m256 wv[4];
             block_floats(il ? blk : wr, il ? 0 : b, bits, wv);
