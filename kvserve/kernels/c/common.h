@@ -1,6 +1,7 @@
 /* Helpers every kernel source includes (the decode stack compiles several sources as one unit,
    hence the include guard): e^x that `omp simd` loops vectorize (libm's expf is one call per
-   element, most of the time of a softmax or SiLU), and an AVX2 horizontal sum. */
+   element, most of the time of a softmax or SiLU), an AVX2 horizontal sum, and two int16 dot
+   products summed (VNNI where it exists). */
 #ifndef KVSERVE_COMMON_H
 #define KVSERVE_COMMON_H
 #include <math.h>
@@ -13,6 +14,18 @@ static inline float hsum8(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+/* a0 . x0 + a1 . x1 in 8 int32 lanes (each the sum of 4 int16 products): vpdpwssd adds the second
+   pair's products straight into the first's sums where VNNI exists (AVX512-VNNI with VL, or
+   AVX-VNNI), a madd and an add elsewhere. The same integers either way. */
+static inline __m256i madd2_epi16(__m256i a0, __m256i x0, __m256i a1, __m256i x1) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(_mm256_madd_epi16(a0, x0), a1, x1);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(a0, x0), a1, x1);
+#else
+    return _mm256_add_epi32(_mm256_madd_epi16(a0, x0), _mm256_madd_epi16(a1, x1));
+#endif
 }
 #endif
 /* e^x, branch-free: n = round(x log2 e), r = x - n ln 2 in two parts (Cody-Waite), e^r by Cephes'

@@ -24,8 +24,9 @@
  * AVX2: a block's 32 codes are built in a register from ql/qh (or qs/qh) and widened to int16 by
  * unpacking with zero, which interleaves in-lane (weights 0-7 and 16-23, then 8-15 and 24-31);
  * kq_quantize stores each activation block in that order, so no shuffle runs per weight row. The
- * products run as _mm256_madd_epi16 (int32 sums: at most 4 x 63 x 32767, exact), are converted to
- * float once per block and scaled per sub-block. Rows are split between OpenMP threads in
+ * products run as vpmaddwd, the second half's added by vpdpwssd where VNNI exists (common.h's
+ * madd2_epi16; int32 sums: at most 4 x 63 x 32767, exact), are converted to float once per block
+ * and scaled per sub-block. Rows are split between OpenMP threads in
  * contiguous ranges. A plain C body (activations in natural order) serves the generic level.
  *
  * This file is also compiled into the decode stack (decode_stack.py), after other kernel sources:
@@ -40,6 +41,7 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#include "common.h"
 #include "layout.h"
 
 enum { KQ_Q4_K = 12, KQ_Q5_K = 13, KQ_Q6_K = 14 };  /* GGMLQuantizationType values */
@@ -134,17 +136,10 @@ static void kq_quantize(const float *x, int64_t ldx, int64_t M, int64_t K, int16
 }
 
 #if defined(__AVX2__)
-static inline float kq_hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 /* 32 codes (bytes 0..63) against one token's stored block: 8 int32 sums, lanes 0-3 from weights
    0-15 and lanes 4-7 from weights 16-31. */
 static inline __m256i kq_dot(__m256i lo, __m256i hi, const int16_t *xv) {
-    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xv)),
-                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xv + 16))));
+    return madd2_epi16(lo, _mm256_loadu_si256((const __m256i *)xv), hi, _mm256_loadu_si256((const __m256i *)(xv + 16)));
 }
 
 /* One Q6_K row (nsb super-blocks) against MT tokens; token t's activations at xq + t K, xd + t nb,
@@ -193,7 +188,7 @@ static inline __attribute__((always_inline)) void kq_q6k_row(
             }
         }
     }
-    for (int t = 0; t < MT; ++t) y[t * ldy] = kq_hsum8(NA == 2 ? _mm256_add_ps(acc[2 * t], acc[2 * t + 1]) : acc[t]);
+    for (int t = 0; t < MT; ++t) y[t * ldy] = hsum8(NA == 2 ? _mm256_add_ps(acc[2 * t], acc[2 * t + 1]) : acc[t]);
 }
 
 /* One Q4_K (HAS_QH 0) or Q5_K (HAS_QH 1) row against MT tokens, as kq_q6k_row. */
@@ -248,7 +243,7 @@ static inline __attribute__((always_inline)) void kq_q45k_row(
             }
         }
     }
-    for (int t = 0; t < MT; ++t) y[t * ldy] = kq_hsum8(NA == 2 ? _mm256_add_ps(acc[2 * t], acc[2 * t + 1]) : acc[t]);
+    for (int t = 0; t < MT; ++t) y[t * ldy] = hsum8(NA == 2 ? _mm256_add_ps(acc[2 * t], acc[2 * t + 1]) : acc[t]);
 }
 #define KQ_CASE(T) case T: \
     if (qtype == KQ_Q6_K) kq_q6k_row(T, row, nsb, K, xq, xd, xh, y, ldy); \

@@ -411,14 +411,7 @@ static inline void block_i16(const uint8_t *wr, int64_t b, int bits, __m256i w[2
 }
 /* 8 int32 partial sums of a block's 32 products of int16 codes. */
 static inline __m256i dot_i16(const __m256i w[2], const int16_t *xv) {
-    const __m256i x0 = _mm256_loadu_si256((const __m256i *)xv), x1 = _mm256_loadu_si256((const __m256i *)(xv + 16));
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpwssd_epi32(_mm256_madd_epi16(w[0], x0), w[1], x1);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(w[0], x0), w[1], x1);
-#else
-    return _mm256_add_epi32(_mm256_madd_epi16(w[0], x0), _mm256_madd_epi16(w[1], x1));
-#endif
+    return madd2_epi16(w[0], _mm256_loadu_si256((const __m256i *)xv), w[1], _mm256_loadu_si256((const __m256i *)(xv + 16)));
 }
 /* One weight row against MT tokens of int16 activations (xq [MT, K], per token and block the
    scale xd, sums xs and centring xk): the row's blocks are decoded once for the MT tokens. */
