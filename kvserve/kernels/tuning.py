@@ -46,6 +46,11 @@ DEFAULT_DENSE_FROM = 32  # before (or without) tuning
 LOWER_PRECISION_GAIN = 1.25  # how much faster than float32 a native lower precision must be
 FOREIGN_GAIN = 2.0  # ... and one this CPU has no arithmetic for (emulated: a fast reading is suspect)
 SMALL_DENSE_GAIN, SMALL_BATCH = 1.5, 8  # dense over the compressed kernel at up to SMALL_BATCH rows
+# The bfloat16 dense path serves prefill-sized batches only, however fast it measures below: a step
+# of fewer rows is decode (a batch of streams, or a stream's verify rows), whose tokens keep the
+# kernel's float32-class arithmetic, so they do not move with how many others share their step
+# (bfloat16 moved the default model's logprobs by up to 0.037; with AMX it can win from 4 rows).
+BF16_DENSE_MIN_ROWS = 16
 # quantized activations (int8, int16) over exact float ones: they cost precision, and at 1 row on a
 # busy machine the modes tie within noise (thread wake-ups dominate), where float32 should stay
 ACT_GAIN = 1.1
@@ -185,7 +190,8 @@ def choose(times: dict, counts: dict[str, int], allow_int8: bool = True, flags: 
     quantized one only when ACT_GAIN times faster than float32 (int8 only when allowed).
     dense_dtype[shape]: `_dense_dtype`. dense_from[shape]: the smallest measured batch size from
     which the dense path (in that dtype) is at least as fast as the kernel at it and every larger
-    size measured (SMALL_DENSE_GAIN times faster up to SMALL_BATCH rows); NEVER if none."""
+    size measured (SMALL_DENSE_GAIN times faster up to SMALL_BATCH rows; in bfloat16 never below
+    BF16_DENSE_MIN_ROWS); NEVER if none."""
     def total(mode: str) -> float:
         return sum(counts[s] * times[s][mode][str(DECODE_ROWS)] for s in times)
 
@@ -197,7 +203,8 @@ def choose(times: dict, counts: dict[str, int], allow_int8: bool = True, flags: 
         path = "dense_bf16" if dense_dtype[shape] else "dense"
         from_ = NEVER
         for r in sorted((int(r) for r in t[path]), reverse=True):
-            if t[path][str(r)] * _path_gain("dense", r, flags) > t[act][str(r)]:
+            if t[path][str(r)] * _path_gain("dense", r, flags) > t[act][str(r)] or \
+                    (path == "dense_bf16" and r < BF16_DENSE_MIN_ROWS):
                 break
             from_ = r
         dense_from[shape] = from_

@@ -357,6 +357,19 @@ def test_dense_over_the_kernel_at_small_batches_and_bf16_dense_need_margins():
     assert tuning.choose({"s": t}, {"s": 1}, flags=frozenset({"avx2"}))["dense_dtype"] == {"s": None}
 
 
+def test_bf16_dense_never_takes_decode_sized_batches():
+    """However fast (AMX: 5x), bfloat16 starts at BF16_DENSE_MIN_ROWS: fewer rows are decode rows,
+    whose tokens keep the kernel's arithmetic; float32 dense may still start lower."""
+    kernel = {2: 1.0, 4: 2.0, 8: 4.0, 16: 8.0, 32: 16.0}
+    t = {**_times({r: v / 4 for r, v in kernel.items()}, kernel, 1.0, 2.0),
+         "dense_bf16": {str(r): v / 20 for r, v in kernel.items()}}
+    bf16 = tuning.choose({"s": t}, {"s": 1}, flags=BF16)
+    assert bf16["dense_dtype"] == {"s": "bfloat16"} and bf16["dense_from"]["s"] == tuning.BF16_DENSE_MIN_ROWS == 16
+    del t["dense_bf16"]  # a CPU without bf16 units: not measured
+    f32 = tuning.choose({"s": t}, {"s": 1}, flags=frozenset({"avx2"}))
+    assert f32["dense_dtype"] == {"s": None} and f32["dense_from"]["s"] == 2
+
+
 def linear_clock(bf16_speedup: float = 2.0) -> Callable[[str, int], float]:
     """'<path>@<shape>/<rows>': the kernel linear in the rows, the dense path a fixed cost (the
     dequantized weight) plus a smaller slope, bfloat16 dense `bf16_speedup` times faster; dense
