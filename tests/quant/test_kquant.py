@@ -88,6 +88,24 @@ def test_kernels_match_gguf_dequantize():
     assert check_kquant() == []
 
 
+def test_a_decode_rows_sum_does_not_depend_on_the_thread_split():
+    """At one token Q6_K rows go through the kernel in pairs (an odd last one paired with itself):
+    a row's output has the same bits whichever place of a pair it takes, so whatever rows the
+    threads were given (the layer path splits by thread count, the decode stack in pieces)."""
+    raw = torch.from_numpy(kquant_rows(Q.Q6_K, 37, 1024, seed=7))
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(0))
+    whole = kquant.matmul(x, kquant.make_matrix([(int(Q.Q6_K), raw)], 1024))
+    shifted = kquant.matmul(x, kquant.make_matrix([(int(Q.Q6_K), raw[1:].contiguous())], 1024))
+    assert torch.equal(whole[:, 1:], shifted)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(kquant.matmul(x, kquant.make_matrix([(int(Q.Q6_K), raw)], 1024)), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("level", cpu.runnable_levels())
 def test_every_isa_level_this_cpu_runs(level, tmp_path):
     """The generic body and each vector level build and pass (avx2 with torch held to AVX2 too)."""

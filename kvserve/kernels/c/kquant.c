@@ -26,8 +26,9 @@
  * kq_quantize stores each activation block in that order, so no shuffle runs per weight row. The
  * products run as vpmaddwd, the second half's added by vpdpwssd where VNNI exists (common.h's
  * madd2_epi16; int32 sums: at most 4 x 63 x 32767, exact), are converted to float once per block
- * and scaled per sub-block. Rows are split between OpenMP threads in
- * contiguous ranges. A plain C body (activations in natural order) serves the generic level.
+ * and scaled per sub-block; at one token Q6_K rows go two at a time (kq_q6k_row2), each activation
+ * line read once for both. Rows are split between OpenMP threads in contiguous ranges. A plain C
+ * body (activations in natural order) serves the generic level.
  *
  * This file is also compiled into the decode stack (decode_stack.py), after other kernel sources:
  * every name is kq_ / KQ_ prefixed. */
@@ -255,6 +256,63 @@ static inline __attribute__((always_inline)) void kq_q45k_row(
     }
     for (int t = 0; t < MT; ++t) y[t * ldy] = hsum8(NA == 2 ? _mm256_add_ps(acc[2 * t], acc[2 * t + 1]) : acc[t]);
 }
+/* Two Q6_K rows against one token (decode), every Q6_K row at M = 1 (an odd last row paired with
+   itself): each activation line is read once for both rows. An 8192-wide row's activations (19 KB)
+   do not stay in L1 beside the weights streaming through it, so one row at a time read them from
+   L2 once per 32 weights, and ffn_down's Q6_K streamed at 18 GB/s where 3072-wide rows took 27.
+   Without reassociation (GCC), the two rows' sums are formed alike, so a row's output does not
+   depend on which of a pair it is, hence not on how rows were split between threads. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-associative-math")))
+#endif
+static void kq_q6k_row2(const uint8_t *row0, const uint8_t *row1, int64_t nsb, const int16_t *xq, const float *xd,
+                        const float *xh, float *y0, float *y1) {
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), zero = _mm256_setzero_si256();
+    const __m256i pair[2] = {_mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)};
+    const uint8_t *rows[2] = {row0, row1};
+    __m256 acc[2][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+        const uint8_t *blk[2] = {rows[0] + sb * 210, rows[1] + sb * 210};
+        kq_prefetch(blk[0]);
+        kq_prefetch(blk[1]);
+        const __m256 xdv = _mm256_loadu_ps(xd + sb * 8);
+        for (int h = 0; h < 2; ++h) {
+            const __m256 xhv = _mm256_loadu_ps(xh + sb * 16 + 8 * h);
+            __m256 sx[2];
+            __m256i l0[2], l1[2], hb[2];
+            for (int r = 0; r < 2; ++r) {
+                const __m128i sc = _mm_loadu_si128((const __m128i *)(blk[r] + 192));
+                const __m256 dv = _mm256_set1_ps(kq_half(blk[r] + 208));
+                const __m256 sv = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(sc, 8) : sc)));
+                sx[r] = _mm256_mul_ps(sv, _mm256_permutevar8x32_ps(xdv, pair[h]));
+                acc[r][0] = _mm256_fmadd_ps(sx[r], xhv, acc[r][0]);
+                l0[r] = _mm256_loadu_si256((const __m256i *)(blk[r] + 64 * h));
+                l1[r] = _mm256_loadu_si256((const __m256i *)(blk[r] + 64 * h + 32));
+                hb[r] = _mm256_loadu_si256((const __m256i *)(blk[r] + 128 + 32 * h));
+            }
+            for (int s4 = 0; s4 < 4; ++s4) {
+                const int64_t b = sb * 8 + 4 * h + s4;
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + b * 32 + 16));
+                const __m256i sel = _mm256_setr_epi32(2 * s4, 2 * s4, 2 * s4, 2 * s4, 2 * s4 + 1, 2 * s4 + 1,
+                                                      2 * s4 + 1, 2 * s4 + 1);
+                for (int r = 0; r < 2; ++r) {
+                    const __m256i l = s4 & 1 ? l1[r] : l0[r];
+                    const __m256i lo4 = s4 < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
+                    const __m256i top = s4 == 0 ? _mm256_slli_epi16(hb[r], 4) : s4 == 1 ? _mm256_slli_epi16(hb[r], 2)
+                                      : s4 == 2 ? hb[r] : _mm256_srli_epi16(hb[r], 2);
+                    const __m256i q = _mm256_or_si256(lo4, _mm256_and_si256(top, m30));
+                    const __m256i d = madd2_epi16(_mm256_unpacklo_epi8(q, zero), x0, _mm256_unpackhi_epi8(q, zero), x1);
+                    acc[r][s4 % 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_permutevar8x32_ps(sx[r], sel),
+                                                     acc[r][s4 % 2]);
+                }
+            }
+        }
+    }
+    *y0 = hsum8(_mm256_add_ps(acc[0][0], acc[0][1]));
+    *y1 = hsum8(_mm256_add_ps(acc[1][0], acc[1][1]));
+}
+
 #define KQ_CASE(T) case T: \
     if (qtype == KQ_Q6_K) kq_q6k_row(T, row, nsb, K, xq, xd, xh, y, ldy); \
     else if (qtype == KQ_Q5_K) kq_q45k_row(T, 1, row, nsb, K, xq, xd, xh, y, ldy); \
@@ -334,6 +392,16 @@ static void kq_rows(const KqMatrix *W, const int16_t *xq, const float *xd, const
         const int64_t row_bytes = K / 256 * kq_block_bytes(P->qtype);
         for (int64_t n = lo; n < hi; ++n) {
             const uint8_t *row = P->data + (n - first) * row_bytes;
+#if defined(__AVX2__)
+            if (M == 1 && P->qtype == KQ_Q6_K) {  /* a last odd row goes through it too (twice), so every
+                                                     row's sum takes the same path */
+                float spare;
+                const int two = n + 1 < hi;
+                kq_q6k_row2(row, two ? row + row_bytes : row, K / 256, xq, xd, xh, y + n, two ? y + n + 1 : &spare);
+                n += two;
+                continue;
+            }
+#endif
             for (int64_t m0 = 0; m0 < M; m0 += KQ_TILE) {
                 const int mt = M - m0 < KQ_TILE ? (int)(M - m0) : KQ_TILE;
                 kq_row(P->qtype, mt, row, K, xq + m0 * K, xd + m0 * nb, xh + 2 * m0 * nb, y + m0 * ldy + n, ldy);
