@@ -54,10 +54,10 @@ def main() -> None:
     llm = LLM(model=a.model, kv_cache_memory="256MiB", max_model_len=512)
     model = llm.engine.executor.worker.runner.model
     calls = []
-    for i, layer in enumerate(model.model.layers):
+    for layer in model.model.layers:
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             mod = layer.get_submodule(name)
-            k = getattr(getattr(mod, "kernel", mod), "in_features")
+            k = getattr(mod, "kernel", mod).in_features
             calls.append((f"{name.split('.')[-1]} {kind(mod)}", mod, torch.randn(1, k), weight_bytes(mod)))
     head = getattr(model, "lm_head", None)
     if head is not None:

@@ -151,13 +151,28 @@ static inline __m256i kq_dot(__m256i lo, __m256i hi, const int16_t *xv) {
 static inline void kq_prefetch(const uint8_t *blk) {
     for (int o = 0; o < 256; o += 64) _mm_prefetch((const char *)blk + KQ_AHEAD + o, _MM_HINT_T1);
 }
+/* A Q6_K super-block's d sc[i] for the sub-blocks 8h..8h+7 of half h. */
+static inline __m256 kq_q6k_scales(const uint8_t *blk, int h) {
+    const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
+    return _mm256_mul_ps(_mm256_set1_ps(kq_half(blk + 208)),
+                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(sc, 8) : sc)));
+}
+/* The 32 codes (0..63) of sub-block pair s4 of a half, from its ql bytes l0 / l1 and qh bytes hb
+   (16-bit shifts: bits crossing into the neighbour byte are masked off). */
+static inline __m256i kq_q6k_codes(__m256i l0, __m256i l1, __m256i hb, int s4) {
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), l = s4 & 1 ? l1 : l0;
+    const __m256i low = s4 < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
+    const __m256i top = s4 == 0 ? _mm256_slli_epi16(hb, 4) : s4 == 1 ? _mm256_slli_epi16(hb, 2)
+                      : s4 == 2 ? hb : _mm256_srli_epi16(hb, 2);
+    return _mm256_or_si256(low, _mm256_and_si256(top, m30));
+}
 /* One Q6_K row (nsb super-blocks) against MT tokens; token t's activations at xq + t K, xd + t nb,
    xh + 2 t nb; y[t ldy]. */
 static inline __attribute__((always_inline)) void kq_q6k_row(
         const int MT, const uint8_t *row, int64_t nsb, int64_t K, const int16_t *xq, const float *xd,
         const float *xh, float *y, int64_t ldy) {
     const int64_t nb = K / 32;
-    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), zero = _mm256_setzero_si256();
+    const __m256i zero = _mm256_setzero_si256();
     const __m256i pair[2] = {_mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)};
     const int NA = MT < 3 ? 2 : 1;  /* accumulators per token: one fma chain would wait on its latency */
     __m256 acc[2 * KQ_TILE];
@@ -165,11 +180,9 @@ static inline __attribute__((always_inline)) void kq_q6k_row(
     for (int64_t sb = 0; sb < nsb; ++sb) {
         const uint8_t *blk = row + sb * 210, *ql = blk, *qh = blk + 128;
         kq_prefetch(blk);
-        const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
-        const __m256 dv = _mm256_set1_ps(kq_half(blk + 208));
         for (int h = 0; h < 2; ++h) {
             /* d sc[i] xd of sub-blocks 8h..8h+7, per token; the centring term joins acc here */
-            const __m256 s = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(sc, 8) : sc)));
+            const __m256 s = kq_q6k_scales(blk, h);
             __m256 sx[KQ_TILE];
             for (int t = 0; t < MT; ++t) {
                 const __m256 xdv = _mm256_loadu_ps(xd + t * nb + sb * 8);
@@ -179,14 +192,9 @@ static inline __attribute__((always_inline)) void kq_q6k_row(
             const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
             const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
             const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
-            __m256i q[4];  /* 16-bit shifts: bits crossing into the neighbour byte are masked off */
-            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
-            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
-            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m30));
-            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                   _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
             for (int s4 = 0; s4 < 4; ++s4) {
-                const __m256i lo = _mm256_unpacklo_epi8(q[s4], zero), hi = _mm256_unpackhi_epi8(q[s4], zero);
+                const __m256i q = kq_q6k_codes(l0, l1, hb, s4);
+                const __m256i lo = _mm256_unpacklo_epi8(q, zero), hi = _mm256_unpackhi_epi8(q, zero);
                 const __m256i sel = _mm256_setr_epi32(2 * s4, 2 * s4, 2 * s4, 2 * s4, 2 * s4 + 1, 2 * s4 + 1,
                                                       2 * s4 + 1, 2 * s4 + 1);
                 const int64_t b = sb * 8 + 4 * h + s4;
@@ -267,7 +275,7 @@ __attribute__((optimize("no-associative-math")))
 #endif
 static void kq_q6k_row2(const uint8_t *row0, const uint8_t *row1, int64_t nsb, const int16_t *xq, const float *xd,
                         const float *xh, float *y0, float *y1) {
-    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), zero = _mm256_setzero_si256();
+    const __m256i zero = _mm256_setzero_si256();
     const __m256i pair[2] = {_mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)};
     const uint8_t *rows[2] = {row0, row1};
     __m256 acc[2][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
@@ -281,10 +289,7 @@ static void kq_q6k_row2(const uint8_t *row0, const uint8_t *row1, int64_t nsb, c
             __m256 sx[2];
             __m256i l0[2], l1[2], hb[2];
             for (int r = 0; r < 2; ++r) {
-                const __m128i sc = _mm_loadu_si128((const __m128i *)(blk[r] + 192));
-                const __m256 dv = _mm256_set1_ps(kq_half(blk[r] + 208));
-                const __m256 sv = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(sc, 8) : sc)));
-                sx[r] = _mm256_mul_ps(sv, _mm256_permutevar8x32_ps(xdv, pair[h]));
+                sx[r] = _mm256_mul_ps(kq_q6k_scales(blk[r], h), _mm256_permutevar8x32_ps(xdv, pair[h]));
                 acc[r][0] = _mm256_fmadd_ps(sx[r], xhv, acc[r][0]);
                 l0[r] = _mm256_loadu_si256((const __m256i *)(blk[r] + 64 * h));
                 l1[r] = _mm256_loadu_si256((const __m256i *)(blk[r] + 64 * h + 32));
@@ -297,11 +302,7 @@ static void kq_q6k_row2(const uint8_t *row0, const uint8_t *row1, int64_t nsb, c
                 const __m256i sel = _mm256_setr_epi32(2 * s4, 2 * s4, 2 * s4, 2 * s4, 2 * s4 + 1, 2 * s4 + 1,
                                                       2 * s4 + 1, 2 * s4 + 1);
                 for (int r = 0; r < 2; ++r) {
-                    const __m256i l = s4 & 1 ? l1[r] : l0[r];
-                    const __m256i lo4 = s4 < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
-                    const __m256i top = s4 == 0 ? _mm256_slli_epi16(hb[r], 4) : s4 == 1 ? _mm256_slli_epi16(hb[r], 2)
-                                      : s4 == 2 ? hb[r] : _mm256_srli_epi16(hb[r], 2);
-                    const __m256i q = _mm256_or_si256(lo4, _mm256_and_si256(top, m30));
+                    const __m256i q = kq_q6k_codes(l0[r], l1[r], hb[r], s4);
                     const __m256i d = madd2_epi16(_mm256_unpacklo_epi8(q, zero), x0, _mm256_unpackhi_epi8(q, zero), x1);
                     acc[r][s4 % 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_permutevar8x32_ps(sx[r], sel),
                                                      acc[r][s4 % 2]);
