@@ -489,39 +489,47 @@ static void gemv_int16(int bits, const uint8_t *wq, const float *wd, const float
    lo bytes), so per chunk 4 dpbusd replace 4 maddubs and their int16 adds, and the final widening
    madds go. The same integers, so the same floats after: batch-invariant and equal to the path
    without VNNI. Four accumulators keep the dependency chains short. */
-static inline __m256i il_block_sum(const uint8_t *wb, const uint8_t *lo, const int8_t *hi) {
-    const __m256i m4 = _mm256_set1_epi8(15);
+static inline __m256i il_sum_unpacked(const __m256i w[8], const uint8_t *lo, const int8_t *hi) {
     const int32_t *l4 = (const int32_t *)lo, *h4 = (const int32_t *)hi;
     __m256i sl0 = _mm256_setzero_si256(), sl1 = _mm256_setzero_si256();
     __m256i sh0 = _mm256_setzero_si256(), sh1 = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 32 * c));
-        const __m256i wl = _mm256_and_si256(v, m4), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        sl0 = dpbusd(sl0, _mm256_set1_epi32(l4[c]), wl);
-        sl1 = dpbusd(sl1, _mm256_set1_epi32(l4[4 + c]), wh);
-        sh0 = dpbusd(sh0, wl, _mm256_set1_epi32(h4[c]));
-        sh1 = dpbusd(sh1, wh, _mm256_set1_epi32(h4[4 + c]));
+        sl0 = dpbusd(sl0, _mm256_set1_epi32(l4[c]), w[2 * c]);
+        sl1 = dpbusd(sl1, _mm256_set1_epi32(l4[4 + c]), w[2 * c + 1]);
+        sh0 = dpbusd(sh0, w[2 * c], _mm256_set1_epi32(h4[c]));
+        sh1 = dpbusd(sh1, w[2 * c + 1], _mm256_set1_epi32(h4[4 + c]));
     }
     return _mm256_add_epi32(_mm256_add_epi32(sl0, sl1), _mm256_slli_epi32(_mm256_add_epi32(sh0, sh1), 8));
 }
 #else
-static inline __m256i il_block_sum(const uint8_t *wb, const uint8_t *lo, const int8_t *hi) {
-    const __m256i m4 = _mm256_set1_epi8(15);
+static inline __m256i il_sum_unpacked(const __m256i w[8], const uint8_t *lo, const int8_t *hi) {
     const int32_t *l4 = (const int32_t *)lo, *h4 = (const int32_t *)hi;
     __m256i pl0 = _mm256_setzero_si256(), pl1 = _mm256_setzero_si256(), ph = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 32 * c));
-        const __m256i wl = _mm256_and_si256(v, m4), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        pl0 = _mm256_add_epi16(pl0, _mm256_maddubs_epi16(_mm256_set1_epi32(l4[c]), wl));
-        pl1 = _mm256_add_epi16(pl1, _mm256_maddubs_epi16(_mm256_set1_epi32(l4[4 + c]), wh));
-        ph = _mm256_add_epi16(ph, _mm256_add_epi16(_mm256_maddubs_epi16(wl, _mm256_set1_epi32(h4[c])),
-                                                  _mm256_maddubs_epi16(wh, _mm256_set1_epi32(h4[4 + c]))));
+        pl0 = _mm256_add_epi16(pl0, _mm256_maddubs_epi16(_mm256_set1_epi32(l4[c]), w[2 * c]));
+        pl1 = _mm256_add_epi16(pl1, _mm256_maddubs_epi16(_mm256_set1_epi32(l4[4 + c]), w[2 * c + 1]));
+        ph = _mm256_add_epi16(ph, _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * c], _mm256_set1_epi32(h4[c])),
+                                                  _mm256_maddubs_epi16(w[2 * c + 1], _mm256_set1_epi32(h4[4 + c]))));
     }
     const __m256i ones = _mm256_set1_epi16(1);
     return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(pl0, ones), _mm256_madd_epi16(pl1, ones)),
                             _mm256_madd_epi16(ph, _mm256_set1_epi16(256)));
 }
 #endif
+/* A block's 4 chunks of codes as bytes: w[2 c] the low nibbles of chunk c, w[2 c + 1] its high ones. */
+static inline void il_unpack_block(const uint8_t *wb, __m256i w[8]) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 32 * c));
+        w[2 * c] = _mm256_and_si256(v, m4);
+        w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+}
+static inline __m256i il_block_sum(const uint8_t *wb, const uint8_t *lo, const int8_t *hi) {
+    __m256i w[8];
+    il_unpack_block(wb, w);
+    return il_sum_unpacked(w, lo, hi);
+}
 /* How a weight's scales are stored (qmatmul.py's Blocks.kind): float32, float16 (HALF_SCALES), or
    factored (KSCALES, il_group_k). */
 enum { SC_F32 = 0, SC_F16 = 1, SC_K = 2 };
@@ -532,14 +540,33 @@ static inline __m256 il_scales(const void *dg, const int SCL, int64_t b) {
 #endif
     return _mm256_loadu_ps((const float *)dg + b * 8);
 }
+/* acc + (sum(q x) - 8 sum(x)) d xd: one block's integer sums (cs: sum(x)) into a row's float accumulator. */
+static inline __m256 il_scaled(__m256i sum, int32_t cs, __m256 d, float xd, __m256 acc) {
+    const __m256i s = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * cs));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(xd)), acc);
+}
+/* (a0 + a1) + ac in that order: the empty asm keeps -ffast-math from reassociating the sum one way
+   in one kernel and another way in its multi-token twin (their bits must agree). */
+static inline __m256 il_sum3(__m256 a0, __m256 a1, __m256 ac) {
+    __m256 s = _mm256_add_ps(a0, a1);
+    __asm__("" : "+x"(s));
+    return _mm256_add_ps(s, ac);
+}
+/* A group's 8 outputs from its even- and odd-block accumulators and the offsets' sum c xs (cg
+   [nb][8]; NULL: no offsets). */
+static inline __m256 il_finish(__m256 a0, __m256 a1, const float *cg, int64_t nb, const float *xs) {
+    __m256 ac = _mm256_setzero_ps();
+    if (cg)
+        for (int64_t b = 0; b < nb; ++b) ac = _mm256_fmadd_ps(_mm256_loadu_ps(cg + b * 8), _mm256_set1_ps(xs[b]), ac);
+    return il_sum3(a0, a1, ac);
+}
 static inline __attribute__((always_inline)) __m256 il_block(
         const uint8_t *wg, const void *dg, const int SCL, int64_t b, const uint8_t *lo, const int8_t *hi,
         const int32_t *cs, const float *xd, __m256 acc) {
     const uint8_t *wb = wg + b * 128;
     _mm_prefetch((const char *)wb + PREFETCH_AHEAD, _MM_HINT_T0);
     _mm_prefetch((const char *)wb + PREFETCH_AHEAD + 64, _MM_HINT_T0);
-    const __m256i s = _mm256_sub_epi32(il_block_sum(wb, lo + b * 32, hi + b * 32), _mm256_set1_epi32(8 * cs[b]));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(il_scales(dg, SCL, b), _mm256_set1_ps(xd[b])), acc);
+    return il_scaled(il_block_sum(wb, lo + b * 32, hi + b * 32), cs[b], il_scales(dg, SCL, b), xd[b], acc);
 }
 /* One group (codes wg [nb][128]; scales dg [nb][8], float16 (SC_F16) or float32; offsets cg
    [nb][8], NULL without offsets) against one token: its 8 outputs. Per row: sum over blocks of d xd
@@ -549,16 +576,41 @@ static inline __attribute__((always_inline)) __m256 il_block(
 static inline __attribute__((always_inline)) __m256 il_group(
         const uint8_t *wg, const void *dg, const int SCL, const float *cg, int64_t nb, const uint8_t *lo,
         const int8_t *hi, const int32_t *cs, const float *xd, const float *xs) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), ac = _mm256_setzero_ps();
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {  /* unrolled by two, as float_tile says why */
         a0 = il_block(wg, dg, SCL, b, lo, hi, cs, xd, a0);
         a1 = il_block(wg, dg, SCL, b + 1, lo, hi, cs, xd, a1);
     }
     if (b < nb) a0 = il_block(wg, dg, SCL, b, lo, hi, cs, xd, a0);
-    if (cg)
-        for (b = 0; b < nb; ++b) ac = _mm256_fmadd_ps(_mm256_loadu_ps(cg + b * 8), _mm256_set1_ps(xs[b]), ac);
-    return _mm256_add_ps(_mm256_add_ps(a0, a1), ac);
+    return il_finish(a0, a1, cg, nb, xs);
+}
+/* How many tokens share one unpacking of a block (il_group_m, il_group_k_m): a verify step's rows
+   or a small decode batch. */
+#define IL_TOKENS 8
+/* il_group for T tokens (2 to IL_TOKENS; token t's lo / hi at + t K, cs / xd / xs at + t nb): each
+   block is loaded and unpacked once for all of them, then each token's sums and float steps are
+   il_group's, in its order (even blocks into a0, odd ones into a1), so every output is the bits
+   il_group gives that token alone. At one token per group il_group does the unpacking beside the
+   products; here it is paid once per T, which is most of what a second row cost (verify rows). */
+static void il_group_m(const uint8_t *wg, const void *dg, const int SCL, const float *cg, int64_t nb, int64_t K,
+                       const uint8_t *lo, const int8_t *hi, const int32_t *cs, const float *xd, const float *xs,
+                       int T, __m256 *out) {
+    __m256 acc[2][IL_TOKENS];
+    for (int t = 0; t < T; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *wb = wg + b * 128;
+        _mm_prefetch((const char *)wb + PREFETCH_AHEAD, _MM_HINT_T0);
+        _mm_prefetch((const char *)wb + PREFETCH_AHEAD + 64, _MM_HINT_T0);
+        __m256i w[8];
+        il_unpack_block(wb, w);
+        const __m256 d = il_scales(dg, SCL, b);
+        __m256 *a = acc[b & 1];
+        for (int t = 0; t < T; ++t)
+            a[t] = il_scaled(il_sum_unpacked(w, lo + t * K + b * 32, hi + t * K + b * 32), cs[t * nb + b], d,
+                             xd[t * nb + b], a[t]);
+    }
+    for (int t = 0; t < T; ++t) out[t] = il_finish(acc[0][t], acc[1][t], cg, nb, xs + t * nb);
 }
 /* il_group for factored scales (KSCALES; dg: the group's codes [nb / 8][sc 8, m 8][8 rows], cg:
    their factors [nb / 8][D, Dm][8 rows] float16). The factors are read once per 256 weights and the
@@ -568,6 +620,19 @@ static inline __attribute__((always_inline)) __m256 il_group(
    shapes from DRAM (scripts/bench_gemv_layout.py) 6.5 ms against 7.2 for il_group on scales widened
    per block, 7.0 on float32 scales (a third more bytes) and 5.3 for Q4_0's form (no offsets).
    Batch-invariant as il_group. */
+/* 8 unsigned byte codes (a block's 6-bit scale or offset codes for 8 rows) as floats. */
+static inline __m256 k_codes(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+/* acc + sum(q x) sc D xd: one block's integer sums into a row's float accumulator (factored scales).
+   The empty asm keeps D xd as computed: under -ffast-math GCC may otherwise reassociate the
+   product as (sc D) xd where sc D is loop-invariant (il_group_k_m's token loop) and not where it
+   is not (il_group_k), and a token's bits would depend on its batch. */
+static inline __m256 il_k_scaled(__m256i sum, __m256 sc, __m256 D, float xd, __m256 acc) {
+    __m256 f = _mm256_mul_ps(D, _mm256_set1_ps(xd));
+    __asm__("" : "+x"(f));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(sc, f), acc);
+}
 static inline __m256 il_group_k(const uint8_t *wg, const uint8_t *dg, const uint16_t *cg, int64_t nb,
                                 const uint8_t *lo, const int8_t *hi, const float *xd, const float *xs) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), ac = _mm256_setzero_ps();
@@ -583,19 +648,45 @@ static inline __m256 il_group_k(const uint8_t *wg, const uint8_t *dg, const uint
             _mm_prefetch((const char *)wb + PREFETCH_AHEAD + 64, _MM_HINT_T0);
             _mm_prefetch((const char *)wb + PREFETCH_AHEAD + 128, _MM_HINT_T0);
             _mm_prefetch((const char *)wb + PREFETCH_AHEAD + 192, _MM_HINT_T0);
-            const __m256 s0 = _mm256_cvtepi32_ps(il_block_sum(wb, lo + b * 32, hi + b * 32));
-            const __m256 s1 = _mm256_cvtepi32_ps(il_block_sum(wb + 128, lo + b * 32 + 32, hi + b * 32 + 32));
-            const __m256 c0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + j * 8))));
-            const __m256 c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + j * 8 + 8))));
-            a0 = _mm256_fmadd_ps(s0, _mm256_mul_ps(c0, _mm256_mul_ps(D, _mm256_set1_ps(xd[b]))), a0);
-            a1 = _mm256_fmadd_ps(s1, _mm256_mul_ps(c1, _mm256_mul_ps(D, _mm256_set1_ps(xd[b + 1]))), a1);
-            const __m256 m0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m + j * 8))));
-            const __m256 m1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m + j * 8 + 8))));
-            ms = _mm256_fmadd_ps(m1, _mm256_set1_ps(xs[b + 1]), _mm256_fmadd_ps(m0, _mm256_set1_ps(xs[b]), ms));
+            a0 = il_k_scaled(il_block_sum(wb, lo + b * 32, hi + b * 32), k_codes(sc + j * 8), D, xd[b], a0);
+            a1 = il_k_scaled(il_block_sum(wb + 128, lo + b * 32 + 32, hi + b * 32 + 32), k_codes(sc + j * 8 + 8), D,
+                             xd[b + 1], a1);
+            ms = _mm256_fmadd_ps(k_codes(m + j * 8 + 8), _mm256_set1_ps(xs[b + 1]),
+                                 _mm256_fmadd_ps(k_codes(m + j * 8), _mm256_set1_ps(xs[b]), ms));
         }
         ac = _mm256_fmadd_ps(Dm, ms, ac);
     }
-    return _mm256_add_ps(_mm256_add_ps(a0, a1), ac);
+    return il_sum3(a0, a1, ac);
+}
+/* il_group_k for T tokens (as il_group_m: each block unpacked once, each token's operations those
+   of il_group_k in its order, so the same bits as alone). */
+static void il_group_k_m(const uint8_t *wg, const uint8_t *dg, const uint16_t *cg, int64_t nb, int64_t K,
+                         const uint8_t *lo, const int8_t *hi, const float *xd, const float *xs, int T, __m256 *out) {
+    __m256 acc[2][IL_TOKENS], ac[IL_TOKENS], ms[IL_TOKENS];
+    for (int t = 0; t < T; ++t) acc[0][t] = acc[1][t] = ac[t] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < nb / 8; ++s) {
+        const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cg + s * 16)));
+        const __m256 Dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cg + s * 16 + 8)));
+        const uint8_t *sc = dg + s * 128, *m = sc + 64;
+        for (int t = 0; t < T; ++t) ms[t] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < 8; ++j) {
+            const int64_t b = s * 8 + j;
+            const uint8_t *wb = wg + b * 128;
+            _mm_prefetch((const char *)wb + PREFETCH_AHEAD, _MM_HINT_T0);
+            _mm_prefetch((const char *)wb + PREFETCH_AHEAD + 64, _MM_HINT_T0);
+            __m256i w[8];
+            il_unpack_block(wb, w);
+            const __m256 c = k_codes(sc + j * 8), mc = k_codes(m + j * 8);
+            __m256 *a = acc[j & 1];
+            for (int t = 0; t < T; ++t) {
+                a[t] = il_k_scaled(il_sum_unpacked(w, lo + t * K + b * 32, hi + t * K + b * 32), c, D,
+                                   xd[t * nb + b], a[t]);
+                ms[t] = _mm256_fmadd_ps(mc, _mm256_set1_ps(xs[t * nb + b]), ms[t]);
+            }
+        }
+        for (int t = 0; t < T; ++t) ac[t] = _mm256_fmadd_ps(Dm, ms[t], ac[t]);
+    }
+    for (int t = 0; t < T; ++t) out[t] = il_sum3(acc[0][t], acc[1][t], ac[t]);
 }
 /* 8-bit weights with int16 activations, 8 rows interleaved (INTERLEAVED): the same permutation of
    4-byte words as 4-bit, a block of 32 signed codes being 2 units of 16 row bytes, so a group's block
@@ -633,7 +724,7 @@ static inline __m256i il8_block_sum(const uint8_t *wb, const int16_t *xv) {
    blocks of d xd sum(q x), then the offsets' c xs. Batch-invariant as il_group. */
 static inline __m256 il8_group(const uint8_t *wg, const void *dg, const int SCL, const float *cg, int64_t nb,
                                const int16_t *x, const float *xd, const float *xs) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), ac = _mm256_setzero_ps();
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *wb = wg + b * 256;
         for (int l = 0; l < 4; ++l) _mm_prefetch((const char *)wb + PREFETCH_AHEAD + 64 * l, _MM_HINT_T0);
@@ -642,9 +733,7 @@ static inline __m256 il8_group(const uint8_t *wg, const void *dg, const int SCL,
         if (b & 1) a1 = _mm256_fmadd_ps(s, sc, a1);  /* even and odd blocks, as il_group */
         else a0 = _mm256_fmadd_ps(s, sc, a0);
     }
-    if (cg)
-        for (int64_t b = 0; b < nb; ++b) ac = _mm256_fmadd_ps(_mm256_loadu_ps(cg + b * 8), _mm256_set1_ps(xs[b]), ac);
-    return _mm256_add_ps(_mm256_add_ps(a0, a1), ac);
+    return il_finish(a0, a1, cg, nb, xs);
 }
 #endif
 
@@ -972,25 +1061,34 @@ static void il_int16(int bits, const uint8_t *wq, const void *wd, int scl, const
     split_codes(xq, M, K, lo, hi, cs);
     for (int64_t g = n0 >> 3; g * 8 < n1; ++g) {
         const uint8_t *wg = wq + g * nb * 128;
-        for (int64_t t = 0; t < M; ++t) {
-            float out[8];
-            const uint8_t *l = lo + t * K;
-            const int8_t *h = hi + t * K;
-            const int32_t *c = cs + t * nb;
-            const float *d = xd + t * nb, *s = xs + t * nb;
-            __m256 o;
-            if (scl == SC_K)  /* per group: codes [2 nb][8] bytes, factors [nb / 4][8] float16 */
-                o = il_group_k(wg, (const uint8_t *)wd + g * nb * 16, (const uint16_t *)wc + g * nb * 2, nb, l, h, d,
-                               s);
-            else if (scl == SC_F16)
-                o = il_group(wg, (const uint16_t *)wd + g * nb * 8, SC_F16, wc ? (const float *)wc + g * nb * 8 : 0,
-                             nb, l, h, c, d, s);
-            else
-                o = il_group(wg, (const float *)wd + g * nb * 8, SC_F32, wc ? (const float *)wc + g * nb * 8 : 0,
-                             nb, l, h, c, d, s);
-            _mm256_storeu_ps(out, o);
-            for (int i = 0; i < 8; ++i)
-                if (g * 8 + i >= n0 && g * 8 + i < n1) y[t * ldy + g * 8 + i] = out[i];
+        const void *dg = scl == SC_K ? (const void *)((const uint8_t *)wd + g * nb * 16)
+                         : scl == SC_F16 ? (const void *)((const uint16_t *)wd + g * nb * 8)
+                         : (const void *)((const float *)wd + g * nb * 8);
+        const void *cg = !wc ? 0 : scl == SC_K ? (const void *)((const uint16_t *)wc + g * nb * 2)
+                         : (const void *)((const float *)wc + g * nb * 8);
+        for (int64_t t0 = 0; t0 < M; t0 += IL_TOKENS) {
+            const int T = M - t0 < IL_TOKENS ? (int)(M - t0) : IL_TOKENS;
+            const uint8_t *l = lo + t0 * K;
+            const int8_t *h = hi + t0 * K;
+            const int32_t *c = cs + t0 * nb;
+            const float *d = xd + t0 * nb, *s = xs + t0 * nb;
+            __m256 o[IL_TOKENS];
+            if (T > 1) {  /* each block unpacked once for the T tokens */
+                if (scl == SC_K) il_group_k_m(wg, dg, cg, nb, K, l, h, d, s, T, o);
+                else if (scl == SC_F16) il_group_m(wg, dg, SC_F16, cg, nb, K, l, h, c, d, s, T, o);
+                else il_group_m(wg, dg, SC_F32, cg, nb, K, l, h, c, d, s, T, o);
+            } else if (scl == SC_K) {  /* per group: codes [2 nb][8] bytes, factors [nb / 4][8] float16 */
+                o[0] = il_group_k(wg, dg, cg, nb, l, h, d, s);
+            } else {
+                o[0] = scl == SC_F16 ? il_group(wg, dg, SC_F16, cg, nb, l, h, c, d, s)
+                                     : il_group(wg, dg, SC_F32, cg, nb, l, h, c, d, s);
+            }
+            for (int t = 0; t < T; ++t) {
+                float out[8];
+                _mm256_storeu_ps(out, o[t]);
+                for (int i = 0; i < 8; ++i)
+                    if (g * 8 + i >= n0 && g * 8 + i < n1) y[(t0 + t) * ldy + g * 8 + i] = out[i];
+            }
         }
     }
 }
