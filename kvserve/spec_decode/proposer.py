@@ -21,6 +21,8 @@ request, or within one token of its limit.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +35,7 @@ from kvserve.spec_decode.draft_model import PLACEHOLDER
 from kvserve.spec_decode.ngram import propose_ngram
 
 
+PRICE_WINDOW = 15  # steps whose median gives the price of a query token (observe_step)
 
 
 def check_prediction(value: Any, vocab_size: int) -> None:
@@ -67,19 +70,25 @@ class SpecDecodeProposer:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k_max
-        self._one_row_s: float | None = None  # EMA of a single stream's plain decode step
+        # the latest single-stream plain steps' seconds and verify steps' prices (observe_step)
+        self._one_row_s: deque[float] = deque(maxlen=PRICE_WINDOW)
+        self._prices: deque[float] = deque(maxlen=PRICE_WINDOW)
 
     def observe_step(self, num_rows: int, drafted: bool, seconds: float) -> None:
         """A single stream's decode step of num_rows rows (1, or a last token and its drafts) took
         `seconds`: the adaptive rule's price of one more query token (cost_per_token, as a share
-        of a plain step) is measured from these, as an exponential moving average. The price is
-        the model's and the machine's: ~0.05 where decode is memory-bound, up to ~0.6 on a small
-        model whose kernels are compute-bound (BENCHMARKS.md)."""
+        of a plain step) is measured from these: a verify step's price against the median of the
+        latest plain steps, and the price the rule uses the median of the latest PRICE_WINDOW.
+        Medians, because one step that lost its core to another process would otherwise set the
+        price for many: a moving average taken that way once read 0.64 against a true ~0.25 and
+        stopped drafting, and with no drafts no new price came to correct it. The price is the
+        model's and the machine's: ~0.05 where decode is memory-bound, 0.2-0.6 on a small model
+        whose kernels are compute-bound (BENCHMARKS.md)."""
         if num_rows == 1 and not drafted:
-            self._one_row_s = seconds if self._one_row_s is None else 0.9 * self._one_row_s + 0.1 * seconds
+            self._one_row_s.append(seconds)
         elif drafted and num_rows > 1 and self._one_row_s and self.adaptive is not None:
-            price = max(0.0, (seconds / self._one_row_s - 1.0) / (num_rows - 1))
-            self.adaptive.cost_per_token = 0.8 * self.adaptive.cost_per_token + 0.2 * min(price, 2.0)
+            self._prices.append(max(0.0, (seconds / statistics.median(self._one_row_s) - 1.0) / (num_rows - 1)))
+            self.adaptive.cost_per_token = statistics.median(self._prices)
 
     def propose(self, req: Request, num_decodes: int) -> list[int]:
         """Up to k drafted tokens for `req`'s next step ([]: decode one token as usual)."""

@@ -20,9 +20,12 @@ attention backend's kernel), compiled into one library, so both paths compute th
 the same order: outputs are bit-identical (tested). The embedding before and the final norm and
 LM head after stay in Python.
 
-It runs a step when every token is a decode and the batch is small enough that each quantized
-linear would use its kernel rather than the dense path (`dense_from`, tuning.py); larger batches
-and prefills take the Python path, where matmuls dominate. `build` returns None (the Python path
+It runs a step when the batch is small enough that each quantized linear would use its kernel
+rather than the dense path (`dense_from`, tuning.py): decodes, and also a request's several query
+tokens after its cached context (speculative decoding's verify rows, a short later prefill chunk),
+each taken as a decode row that sees the context up to itself (`_rows`). So a verify step runs the one-token step's
+arithmetic per row, and speculation keeps greedy outputs bit for bit. Larger batches and long
+prefills take the Python path, where matmuls dominate. `build` returns None (the Python path
 always) for what it does not model: other dtypes, tensor or pipeline parallelism, MoE layers,
 linears other than dense float32, blocks (qmatmul.Blocks) or raw K-quant rows (or a stack of
 these, a StackedLinear) without an input permutation, non-CPU devices, or no C compiler.
@@ -170,8 +173,14 @@ class DecodeStack:
         return cls(model, lib, layers, dims, max_rows, keep, attns)
 
     def runs(self, num_tokens: int, meta: Any, kv_caches: list) -> bool:
-        """Whether this step's layers run here: every token a decode, a small batch, caches it handles."""
-        return (meta.num_decodes == num_tokens < self.max_rows and meta.query_positions is None
+        """Whether this step's layers run here: a small batch whose query tokens are each request's
+        last ones (not a blend's) and follow context in the cache (a decode, verify rows, a later
+        prefill chunk; a prompt's first chunk attends to its own fresh K/V on the layer path, which
+        an fp8 cache would not give back), caches it handles."""
+        return (num_tokens < self.max_rows and meta.query_positions is None
+                and (meta.num_decodes == meta.num_reqs or all(
+                    n > end - start or end - start == 1
+                    for n, start, end in zip(meta.seq_lens, meta.query_start_loc, meta.query_start_loc[1:])))
                 and (kv_caches is self._caches or self._point_at(kv_caches)))
 
     def _point_at(self, kv_caches: list) -> bool:
@@ -206,12 +215,26 @@ class DecodeStack:
         b = h.shape[0]
         h = h.contiguous()
         res = torch.empty_like(h)
-        tables = meta.block_tables[:b].to(torch.int64).contiguous()
-        lens = meta.seq_lens_tensor[:b].to(torch.int64).contiguous()
+        tables, lens = self._rows(meta, b)
         pos = positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         self.lib.decode_stack(ctypes.addressof(self.layers), len(self.layers), ctypes.addressof(self.dims), b,
                               h.data_ptr(), res.data_ptr(), rotary.cos_cache.data_ptr(),
                               rotary.sin_cache.data_ptr(), pos.data_ptr(), slots.data_ptr(), tables.data_ptr(),
-                              tables.shape[1], lens.data_ptr(), max(meta.seq_lens[:b]), torch.get_num_threads())
+                              tables.shape[1], lens.data_ptr(), max(meta.seq_lens), torch.get_num_threads())
         return h, res
+
+    @staticmethod
+    def _rows(meta: Any, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each of the b query tokens as a decode row: its request's block table [b, ts] and its
+        context length [b] (the request's seq_len less the query tokens after it). The kernel
+        writes every row's K/V before any row attends, so a request's rows see each other causally:
+        a verify step's rows compute what one-token steps would, bit for bit."""
+        tables = meta.block_tables.to(torch.int64)
+        lens = meta.seq_lens_tensor.to(torch.int64)
+        if meta.num_decodes == meta.num_reqs == b:
+            return tables[:b].contiguous(), lens[:b].contiguous()
+        counts = torch.tensor([e - s for s, e in zip(meta.query_start_loc, meta.query_start_loc[1:])])
+        req = torch.repeat_interleave(torch.arange(len(counts)), counts)
+        after = torch.tensor(meta.query_start_loc[1:], dtype=torch.int64)[req] - 1 - torch.arange(b)
+        return tables[req].contiguous(), (lens[req] - after).contiguous()

@@ -139,3 +139,22 @@ def test_adaptive_k_is_off_in_large_batches():
     ak = AdaptiveK(k_max=4, max_batch=8)
     assert ak.num_drafts("r", batch_decodes=7) > 0
     assert ak.num_drafts("r", batch_decodes=8) == 0
+
+
+def test_price_of_a_query_token_is_a_median_one_slow_step_does_not_set():
+    from kvserve.config import SpeculativeConfig
+    from kvserve.spec_decode.proposer import PRICE_WINDOW, SpecDecodeProposer
+
+    sp = SpecDecodeProposer(SpeculativeConfig({"method": "ngram", "num_speculative_tokens": 4}), 128)
+    for i in range(PRICE_WINDOW):
+        sp.observe_step(1, False, 0.010 if i != 3 else 0.050)  # plain steps, one of them slowed down
+        sp.observe_step(5, True, 0.018)  # 4 drafts: 0.8 of a step more, 0.2 a token
+    assert sp.adaptive.cost_per_token == pytest.approx(0.2)
+    sp.observe_step(5, True, 0.100)  # a verify step that lost its core
+    assert sp.adaptive.cost_per_token == pytest.approx(0.2)
+    assert sp.adaptive.num_drafts("r", 1) == 4
+    for _ in range(PRICE_WINDOW // 2 + 1):  # a lasting change moves it
+        sp.observe_step(5, True, 0.030)
+    assert sp.adaptive.cost_per_token == pytest.approx(0.5)
+    sp.observe_step(1, True, 0.001)  # a drafted step of one row (drafts cut to none) is no price
+    assert sp.adaptive.cost_per_token == pytest.approx(0.5)

@@ -161,4 +161,47 @@ def test_caches_it_cannot_use_leave_it_pointing_at_the_runners(tiny_model_factor
     assert not stack.runs(1, meta, bad)
     assert [(layer.k_cache, layer.v_cache) for layer in stack.layers] == before
     assert stack.runs(1, meta, runner.kv_caches)
-    assert not stack.runs(2, meta, runner.kv_caches)  # a prompt token in the step
+    assert not stack.runs(stack.max_rows, meta, runner.kv_caches)  # too many rows for the kernels
+    fresh = AttentionMetadata(num_decodes=0, query_start_loc=[0, 3], seq_lens=[3], slot_mapping=torch.zeros(3),
+                              block_tables=torch.zeros(1, 1), seq_lens_tensor=torch.tensor([3]), block_size=4)
+    assert not stack.runs(3, fresh, runner.kv_caches)  # a prompt's first chunk: its own fresh K/V
+    fresh.seq_lens, fresh.seq_lens_tensor = [7], torch.tensor([7])
+    assert stack.runs(3, fresh, runner.kv_caches)  # three query tokens after four cached ones
+
+
+def test_verify_rows_equal_one_token_steps(tiny_model_factory, monkeypatch):
+    """Speculative decoding's verify steps run here, each query token a decode row seeing the
+    context up to itself: with drafts that are the plain run's own tokens (all kept), the layers'
+    output for every position is the plain run's one-token step's bit for bit, though most came
+    from verify rows. (The final norm, LM head and log-softmax after the stack are torch's, over
+    however many rows the step has: logprobs are held to the ulps bound, tokens exactly.)"""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    llm = _llm(tiny_model_factory("llama"), quantization="int8", speculative_config=spec)
+    eng, stack = llm.engine, _stack(llm).decode_stack
+    prompt = _prompts(1, seed=3)
+    seen: dict[str, dict[int, torch.Tensor]] = {}
+    run = ["plain"]
+    orig = type(stack).__call__
+
+    def call(self, h, positions, meta, rotary):
+        out = orig(self, h, positions, meta, rotary)
+        rows = seen.setdefault(run[0], {})
+        for i, pos in enumerate(positions.tolist()):
+            rows[pos] = out[0][i].clone()
+        rows.setdefault("rows", []).append(h.shape[0])
+        return out
+
+    monkeypatch.setattr(type(stack), "__call__", call)
+    eng.spec.propose = lambda req, n: []
+    plain = llm.generate(prompt, PARAMS, use_tqdm=False)
+    ref = plain[0].outputs[0].token_ids
+    eng.spec.propose = lambda req, n: list(ref[req.num_output_tokens:min(req.num_output_tokens + 3,
+                                                                          PARAMS.max_tokens - 1)])
+    run[0] = "drafted"
+    drafted = llm.generate(prompt, PARAMS, use_tqdm=False)
+    assert max(seen["drafted"].pop("rows")) == 4 and max(seen["plain"].pop("rows")) == 1
+    assert eng.stats()["spec_decode_num_accepted_tokens"] >= PARAMS.max_tokens // 2
+    assert seen["drafted"].keys() == seen["plain"].keys()
+    assert all(torch.equal(seen["drafted"][p], seen["plain"][p]) for p in seen["plain"])
+    _compare(drafted, plain)
+    assert eng.kv.num_used_blocks == 0
