@@ -698,27 +698,37 @@ static void il_group_k_m(const uint8_t *wg, const uint8_t *dg, const uint16_t *c
    the row-major kernel's 8 x (4 shuffles and shifts, 2 maddwd, add, conversion, FMA) and 8
    horizontal sums: ~1.3x its GB/s at one token from DRAM on Zen 3. Sums stay in int32 (32 x 128 x
    32767 < 2^31). */
-static inline __m256i il8_block_sum(const uint8_t *wb, const int16_t *xv) {
+/* A block's codes widened to int16: w[2 c] and w[2 c + 1] the two halves of chunk c (rows 0-3 and 4-7). */
+static inline void il8_widen(const uint8_t *wb, __m256i w[16]) {
+    for (int c = 0; c < 8; ++c) {
+        w[2 * c] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 32 * c)));
+        w[2 * c + 1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 32 * c + 16)));
+    }
+}
+static inline __m256i il8_sum_widened(const __m256i w[16], const int16_t *xv) {
     __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
         int64_t x4;
         memcpy(&x4, xv + 4 * c, 8);
         const __m256i xb = _mm256_set1_epi64x(x4);
-        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 32 * c)));
-        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 32 * c + 16)));
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-        a = _mm256_dpwssd_epi32(a, w0, xb);
-        b = _mm256_dpwssd_epi32(b, w1, xb);
+        a = _mm256_dpwssd_epi32(a, xb, w[2 * c]);
+        b = _mm256_dpwssd_epi32(b, xb, w[2 * c + 1]);
 #elif defined(__AVXVNNI__)
-        a = _mm256_dpwssd_avx_epi32(a, w0, xb);
-        b = _mm256_dpwssd_avx_epi32(b, w1, xb);
+        a = _mm256_dpwssd_avx_epi32(a, xb, w[2 * c]);
+        b = _mm256_dpwssd_avx_epi32(b, xb, w[2 * c + 1]);
 #else
-        a = _mm256_add_epi32(a, _mm256_madd_epi16(w0, xb));  /* rows 0-3, two lanes each */
-        b = _mm256_add_epi32(b, _mm256_madd_epi16(w1, xb));  /* rows 4-7 */
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(w[2 * c], xb));  /* rows 0-3, two lanes each */
+        b = _mm256_add_epi32(b, _mm256_madd_epi16(w[2 * c + 1], xb));  /* rows 4-7 */
 #endif
     }
     /* hadd: rows [0 1 4 5 | 2 3 6 7]; the 64-bit permute puts them in order */
     return _mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xD8);
+}
+static inline __m256i il8_block_sum(const uint8_t *wb, const int16_t *xv) {
+    __m256i w[16];
+    il8_widen(wb, w);
+    return il8_sum_widened(w, xv);
 }
 /* il_group for 8-bit codes (group wg [nb][256]) and one token's int16 codes x: per row, sum over
    blocks of d xd sum(q x), then the offsets' c xs. Batch-invariant as il_group. */
@@ -734,6 +744,25 @@ static inline __m256 il8_group(const uint8_t *wg, const void *dg, const int SCL,
         else a0 = _mm256_fmadd_ps(s, sc, a0);
     }
     return il_finish(a0, a1, cg, nb, xs);
+}
+/* il8_group for T tokens (2 to IL_TOKENS; token t's x at + t K, xd / xs at + t nb): each block
+   widened once for all of them (il_group_m), each token's operations il8_group's in its order. */
+static void il8_group_m(const uint8_t *wg, const void *dg, const int SCL, const float *cg, int64_t nb, int64_t K,
+                        const int16_t *x, const float *xd, const float *xs, int T, __m256 *out) {
+    __m256 acc[2][IL_TOKENS];
+    for (int t = 0; t < T; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *wb = wg + b * 256;
+        for (int l = 0; l < 4; ++l) _mm_prefetch((const char *)wb + PREFETCH_AHEAD + 64 * l, _MM_HINT_T0);
+        __m256i w[16];
+        il8_widen(wb, w);
+        const __m256 d = il_scales(dg, SCL, b);
+        __m256 *a = acc[b & 1];
+        for (int t = 0; t < T; ++t)
+            a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il8_sum_widened(w, x + t * K + b * 32)),
+                                   _mm256_mul_ps(d, _mm256_set1_ps(xd[t * nb + b])), a[t]);
+    }
+    for (int t = 0; t < T; ++t) out[t] = il_finish(acc[0][t], acc[1][t], cg, nb, xs + t * nb);
 }
 #endif
 
@@ -1032,35 +1061,24 @@ static void qgemm_dispatch(int act, int bits, const uint8_t *wq, const float *wd
 
 #if defined(__AVX2__)
 /* Interleaved rows [n0, n1) for M tokens of int16 activations, scales as stored (scl: SC_F32,
-   SC_F16 or SC_K): group by group, each token in turn (the group's bytes stay in cache for the
-   next one). */
+   SC_F16 or SC_K): group by group, up to IL_TOKENS tokens at a time (each block's codes unpacked
+   once for them). */
 static void il_int16(int bits, const uint8_t *wq, const void *wd, int scl, const void *wc, int64_t K,
                      const int16_t *xq, const float *xd, const float *xs, int64_t M, float *y, int64_t ldy, int64_t n0,
                      int64_t n1) {
     const int64_t nb = K / 32;
-    if (bits == 8) {  /* the codes as they are, group by group, each token in turn */
-        for (int64_t g = n0 >> 3; g * 8 < n1; ++g)
-            for (int64_t t = 0; t < M; ++t) {
-                float out[8];
-                const float *c = wc ? (const float *)wc + g * nb * 8 : 0;
-                const __m256 o = scl == SC_F16
-                    ? il8_group(wq + g * nb * 256, (const uint16_t *)wd + g * nb * 8, SC_F16, c, nb, xq + t * K,
-                                xd + t * nb, xs + t * nb)
-                    : il8_group(wq + g * nb * 256, (const float *)wd + g * nb * 8, SC_F32, c, nb, xq + t * K,
-                                xd + t * nb, xs + t * nb);
-                _mm256_storeu_ps(out, o);
-                for (int i = 0; i < 8; ++i)
-                    if (g * 8 + i >= n0 && g * 8 + i < n1) y[t * ldy + g * 8 + i] = out[i];
-            }
-        return;
+    uint8_t *lo = 0;
+    int8_t *hi = 0;
+    int32_t *cs = 0;
+    if (bits == 4) {  /* 8-bit codes take the int16 activations whole */
+        uint8_t *sp = split_scratch((size_t)(2 * M * K + 4 * M * nb));
+        lo = sp;
+        hi = (int8_t *)(sp + M * K);
+        cs = (int32_t *)(sp + 2 * M * K);
+        split_codes(xq, M, K, lo, hi, cs);
     }
-    uint8_t *sp = split_scratch((size_t)(2 * M * K + 4 * M * nb));
-    uint8_t *lo = sp;
-    int8_t *hi = (int8_t *)(sp + M * K);
-    int32_t *cs = (int32_t *)(sp + 2 * M * K);
-    split_codes(xq, M, K, lo, hi, cs);
     for (int64_t g = n0 >> 3; g * 8 < n1; ++g) {
-        const uint8_t *wg = wq + g * nb * 128;
+        const uint8_t *wg = wq + g * nb * (bits == 8 ? 256 : 128);
         const void *dg = scl == SC_K ? (const void *)((const uint8_t *)wd + g * nb * 16)
                          : scl == SC_F16 ? (const void *)((const uint16_t *)wd + g * nb * 8)
                          : (const void *)((const float *)wd + g * nb * 8);
@@ -1068,12 +1086,17 @@ static void il_int16(int bits, const uint8_t *wq, const void *wd, int scl, const
                          : (const void *)((const float *)wc + g * nb * 8);
         for (int64_t t0 = 0; t0 < M; t0 += IL_TOKENS) {
             const int T = M - t0 < IL_TOKENS ? (int)(M - t0) : IL_TOKENS;
-            const uint8_t *l = lo + t0 * K;
-            const int8_t *h = hi + t0 * K;
-            const int32_t *c = cs + t0 * nb;
+            const uint8_t *l = lo ? lo + t0 * K : 0;
+            const int8_t *h = hi ? hi + t0 * K : 0;
+            const int32_t *c = cs ? cs + t0 * nb : 0;
             const float *d = xd + t0 * nb, *s = xs + t0 * nb;
             __m256 o[IL_TOKENS];
-            if (T > 1) {  /* each block unpacked once for the T tokens */
+            if (bits == 8) {
+                const int16_t *x = xq + t0 * K;
+                if (T > 1) il8_group_m(wg, dg, scl, cg, nb, K, x, d, s, T, o);
+                else o[0] = scl == SC_F16 ? il8_group(wg, dg, SC_F16, cg, nb, x, d, s)
+                                          : il8_group(wg, dg, SC_F32, cg, nb, x, d, s);
+            } else if (T > 1) {  /* each block unpacked once for the T tokens */
                 if (scl == SC_K) il_group_k_m(wg, dg, cg, nb, K, l, h, d, s, T, o);
                 else if (scl == SC_F16) il_group_m(wg, dg, SC_F16, cg, nb, K, l, h, c, d, s, T, o);
                 else il_group_m(wg, dg, SC_F32, cg, nb, K, l, h, c, d, s, T, o);
