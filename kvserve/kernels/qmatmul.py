@@ -23,7 +23,8 @@ them, AVX-512VL+VNNI or AVX-VNNI) and a plain C body elsewhere:
     from PANEL_FROM tokens on, 16 rows at a time are decoded into a transposed float panel that
     an outer-product register tile (6 tokens x 16 rows) sweeps, as a dense GEMM does: within a
     few percent of MKL on the dequantized weight, without writing the whole weight out.
-  int16 activations ("int16", below PANEL_FROM tokens; from there the float panels): each token's
+  int16 activations ("int16"; a row-major weight's from PANEL_FROM tokens on take the float
+    panels, an interleaved one's stay in int16 at every size, below): each token's
     32-value block becomes int16 codes and a scale (amax / 32767), and the weight's codes are
     widened to int16 in registers by one in-lane shuffle (no float conversion per weight): pairs
     of products summed by vpmaddwd (vpdpwssd with VNNI), one float FMA per block. ~1.6x the
@@ -41,7 +42,11 @@ Interleaved (`relayout`, for weights that run with int16 activations): rows in g
 keep their shapes). One broadcast of 4 activations then serves 8 rows, a lane per row: 4-bit codes
 are multiplied with the int16 activations' two bytes by maddubs, 8-bit codes widened to int16 by
 maddwd; 1.2-1.5x (4-bit) and ~1.3x (8-bit) the row-major int16 kernel's GB/s at one token from DRAM
-(c/qmatmul.c, above il_block_sum and il8_block_sum). Other modes read row-major copies made on the fly.
+(c/qmatmul.c, above il_block_sum and il8_block_sum). Several tokens (a verify step's rows, a decode
+batch, a prefill chunk) take each group 8 at a time, its blocks unpacked once for the 8: at 16
+tokens half the time of the float panels on row-major copies, and still faster at 128 (Zen 4;
+BENCHMARKS.md), so interleaved weights stay in int16 at every batch size, and each token's output
+is the same bits whatever shares its batch. Other modes read row-major copies made on the fly.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ static void lin_rows(const Lin *L, int act, const float *x, int64_t m, float *y,
    rows of L->rest, if any, the same way (each part prepares x as its kernel takes it). The rows
    are computed independently, so which thread takes a piece changes no output. */
 static void lin_run(const Lin *L, const float *x, int64_t m, float *y, int64_t ldy, float *xs, void *xq) {
-    const int act = act_for(L->act, m);  /* the rule qlinear applies, so both paths sum alike */
+    const int act = act_for(L->act, (int)L->kind, m);  /* the rule qlinear applies, so both paths sum alike */
     const int64_t nb = L->k / 32;
     if (L->kind == LIN_KQUANT) {  /* int16 codes; scales xd [m nb] and half sums xh [2 m nb] in xs */
         #pragma omp single
