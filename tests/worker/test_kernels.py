@@ -107,7 +107,7 @@ def check_blocks(w, dense, bits: int, n: int, k: int) -> list[str]:
     if not (torch.equal(qmatmul.dequantize(w, torch.bfloat16).view(torch.int16), f32.bfloat16().view(torch.int16))
             and torch.equal(qmatmul.dequantize(w, torch.float16), f32.half())):
         bad.append(f"dequantize {bits}-bit {n}x{k} to bfloat16 / float16")
-    for m in (1, 2, 3, 4, 5, 9, 12, 17, 130):  # 12+: the panel path; 130 spans two token chunks
+    for m in (1, 2, 3, 4, 5, 9, 12, 17, 130):  # 12+: row-major weights take the panel path; 130 spans two token chunks
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         ref = F.linear(x, dense)
         for mode, tol in (("float32", 2e-6), ("int8", 2e-2), ("int16", 1e-4)):
