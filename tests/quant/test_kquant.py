@@ -72,6 +72,12 @@ def check_kquant() -> list[str]:
             rel = _rel(kquant.matmul(x, m), x.double() @ ref.double().T)
             if not rel < 1e-4:
                 bad.append(f"matmul {qtype.name} m={rows}: {rel:.2e}")
+        # batch invariance: each token's output the bits it has alone (verify rows, decode batches)
+        x = torch.randn(9, 512, generator=torch.Generator().manual_seed(99))
+        alone = torch.cat([kquant.matmul(x[i:i + 1], m) for i in range(9)])
+        for rows in (2, 3, 4, 5, 9):
+            if not torch.equal(kquant.matmul(x[:rows], m), alone[:rows]):
+                bad.append(f"batch invariance {qtype.name} m={rows}")
         xs = torch.randn(3, 1024)[:, ::2]  # strided rows: a column slice of a wider tensor
         if not _rel(kquant.matmul(xs, m), xs.double() @ ref.double().T) < 1e-4:
             bad.append(f"strided x {qtype.name}")

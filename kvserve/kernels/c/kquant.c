@@ -174,7 +174,7 @@ static inline __attribute__((always_inline)) void kq_q6k_row(
     const int64_t nb = K / 32;
     const __m256i zero = _mm256_setzero_si256();
     const __m256i pair[2] = {_mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)};
-    const int NA = MT < 3 ? 2 : 1;  /* accumulators per token: one fma chain would wait on its latency */
+    const int NA = 2;  /* accumulators per token (one fma chain would wait on its latency), at any MT: a token's sum does not depend on its batch */
     __m256 acc[2 * KQ_TILE];
     for (int t = 0; t < NA * MT; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; ++sb) {
@@ -215,7 +215,7 @@ static inline __attribute__((always_inline)) void kq_q45k_row(
         const float *xd, const float *xh, float *y, int64_t ldy) {
     const int64_t nb = K / 32, bytes = HAS_QH ? 176 : 144;
     const __m256i m4 = _mm256_set1_epi8(15), m10 = _mm256_set1_epi8(0x10), zero = _mm256_setzero_si256();
-    const int NA = MT < 3 ? 2 : 1;
+    const int NA = 2;  /* as kq_q6k_row */
     __m256 acc[2 * KQ_TILE];
     for (int t = 0; t < NA * MT; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; ++sb) {
@@ -405,6 +405,15 @@ static void kq_rows(const KqMatrix *W, const int16_t *xq, const float *xd, const
 #endif
             for (int64_t m0 = 0; m0 < M; m0 += KQ_TILE) {
                 const int mt = M - m0 < KQ_TILE ? (int)(M - m0) : KQ_TILE;
+#if defined(__AVX2__)
+                if (mt == 1 && P->qtype == KQ_Q6_K) {  /* a batch's last lone token sums as at M = 1 (the
+                                                         one-token tile came out an ulp apart) */
+                    float spare;
+                    kq_q6k_row2(row, row, K / 256, xq + m0 * K, xd + m0 * nb, xh + 2 * m0 * nb, y + m0 * ldy + n,
+                                &spare);
+                    continue;
+                }
+#endif
                 kq_row(P->qtype, mt, row, K, xq + m0 * K, xd + m0 * nb, xh + 2 * m0 * nb, y + m0 * ldy + n, ldy);
             }
         }
