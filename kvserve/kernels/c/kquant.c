@@ -174,9 +174,10 @@ static inline __attribute__((always_inline)) void kq_q6k_row(
     const int64_t nb = K / 32;
     const __m256i zero = _mm256_setzero_si256();
     const __m256i pair[2] = {_mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)};
-    const int NA = 2;  /* accumulators per token (one fma chain would wait on its latency), at any MT: a token's sum does not depend on its batch */
-    __m256 acc[2 * KQ_TILE];
-    for (int t = 0; t < NA * MT; ++t) acc[t] = _mm256_setzero_ps();
+    /* two accumulators per token (one fma chain would wait on its latency), at any MT: a token's
+       sum does not depend on its batch */
+    __m256 acc[KQ_TILE][2];
+    for (int t = 0; t < MT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; ++sb) {
         const uint8_t *blk = row + sb * 210, *ql = blk, *qh = blk + 128;
         kq_prefetch(blk);
@@ -187,7 +188,7 @@ static inline __attribute__((always_inline)) void kq_q6k_row(
             for (int t = 0; t < MT; ++t) {
                 const __m256 xdv = _mm256_loadu_ps(xd + t * nb + sb * 8);
                 sx[t] = _mm256_mul_ps(s, _mm256_permutevar8x32_ps(xdv, pair[h]));
-                acc[NA * t] = _mm256_fmadd_ps(sx[t], _mm256_loadu_ps(xh + 2 * t * nb + sb * 16 + 8 * h), acc[NA * t]);
+                acc[t][0] = _mm256_fmadd_ps(sx[t], _mm256_loadu_ps(xh + 2 * t * nb + sb * 16 + 8 * h), acc[t][0]);
             }
             const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
             const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
@@ -199,14 +200,14 @@ static inline __attribute__((always_inline)) void kq_q6k_row(
                                                       2 * s4 + 1, 2 * s4 + 1);
                 const int64_t b = sb * 8 + 4 * h + s4;
                 for (int t = 0; t < MT; ++t) {
-                    __m256 *a = acc + NA * t + s4 % NA;
+                    __m256 *a = &acc[t][s4 % 2];
                     *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(kq_dot(lo, hi, xq + t * K + b * 32)),
                                          _mm256_permutevar8x32_ps(sx[t], sel), *a);
                 }
             }
         }
     }
-    for (int t = 0; t < MT; ++t) y[t * ldy] = hsum8(NA == 2 ? _mm256_add_ps(acc[2 * t], acc[2 * t + 1]) : acc[t]);
+    for (int t = 0; t < MT; ++t) y[t * ldy] = hsum8(_mm256_add_ps(acc[t][0], acc[t][1]));
 }
 
 /* One Q4_K (HAS_QH 0) or Q5_K (HAS_QH 1) row against MT tokens, as kq_q6k_row. */
@@ -215,9 +216,8 @@ static inline __attribute__((always_inline)) void kq_q45k_row(
         const float *xd, const float *xh, float *y, int64_t ldy) {
     const int64_t nb = K / 32, bytes = HAS_QH ? 176 : 144;
     const __m256i m4 = _mm256_set1_epi8(15), m10 = _mm256_set1_epi8(0x10), zero = _mm256_setzero_si256();
-    const int NA = 2;  /* as kq_q6k_row */
-    __m256 acc[2 * KQ_TILE];
-    for (int t = 0; t < NA * MT; ++t) acc[t] = _mm256_setzero_ps();
+    __m256 acc[KQ_TILE][2];  /* as kq_q6k_row */
+    for (int t = 0; t < MT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; ++sb) {
         const uint8_t *blk = row + sb * bytes, *qs = blk + (HAS_QH ? 48 : 16);
         kq_prefetch(blk);
@@ -236,7 +236,7 @@ static inline __attribute__((always_inline)) void kq_q45k_row(
             const __m256 pairs = _mm256_castpd_ps(_mm256_permute4x64_pd(
                 _mm256_castps_pd(_mm256_hadd_ps(_mm256_loadu_ps(hp), _mm256_loadu_ps(hp + 8))), 0xD8));
             sx[t] = _mm256_mul_ps(scv, xdv);
-            acc[NA * t] = _mm256_fmadd_ps(_mm256_mul_ps(mnv, xdv), pairs, acc[NA * t]);
+            acc[t][0] = _mm256_fmadd_ps(_mm256_mul_ps(mnv, xdv), pairs, acc[t][0]);
         }
         /* bit s of qh moves to bit 4 by a running 16-bit shift: left by 4 first for s < 4, the raw
            bytes from s = 4 (a left shift by 4 would push the high byte's bits 4-7 out of the word) */
@@ -255,14 +255,14 @@ static inline __attribute__((always_inline)) void kq_q45k_row(
                 const __m256i sel = _mm256_set1_epi32(2 * c + e);
                 const int64_t b = sb * 8 + 2 * c + e;
                 for (int t = 0; t < MT; ++t) {
-                    __m256 *a = acc + NA * t + e % NA;
+                    __m256 *a = &acc[t][e];
                     *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(kq_dot(lo, hi, xq + t * K + b * 32)),
                                          _mm256_permutevar8x32_ps(sx[t], sel), *a);
                 }
             }
         }
     }
-    for (int t = 0; t < MT; ++t) y[t * ldy] = hsum8(NA == 2 ? _mm256_add_ps(acc[2 * t], acc[2 * t + 1]) : acc[t]);
+    for (int t = 0; t < MT; ++t) y[t * ldy] = hsum8(_mm256_add_ps(acc[t][0], acc[t][1]));
 }
 /* Two Q6_K rows against one token (decode), every Q6_K row at M = 1 (an odd last row paired with
    itself): each activation line is read once for both rows. An 8192-wide row's activations (19 KB)

@@ -540,7 +540,8 @@ static inline __m256 il_scales(const void *dg, const int SCL, int64_t b) {
 #endif
     return _mm256_loadu_ps((const float *)dg + b * 8);
 }
-/* acc + (sum(q x) - 8 sum(x)) d xd: one block's integer sums (cs: sum(x)) into a row's float accumulator. */
+/* acc + (sum(q x) - 8 sum(x)) d xd: one block's integer sums (cs: sum(x); 0 for codes that are not
+   centred, 8-bit) into a row's float accumulator. */
 static inline __m256 il_scaled(__m256i sum, int32_t cs, __m256 d, float xd, __m256 acc) {
     const __m256i s = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * cs));
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(xd)), acc);
@@ -612,14 +613,6 @@ static void il_group_m(const uint8_t *wg, const void *dg, const int SCL, const f
     }
     for (int t = 0; t < T; ++t) out[t] = il_finish(acc[0][t], acc[1][t], cg, nb, xs + t * nb);
 }
-/* il_group for factored scales (KSCALES; dg: the group's codes [nb / 8][sc 8, m 8][8 rows], cg:
-   their factors [nb / 8][D, Dm][8 rows] float16). The factors are read once per 256 weights and the
-   nibbles stay uncentred: per row, sum over blocks of D sc xd sum(q x), plus Dm times the offset
-   codes' sum m xs over the 256. Turning the codes into floats costs operations per block that
-   float scales do not, and at one token this kernel is bound by operations rather than bytes: 3B
-   shapes from DRAM (scripts/bench_gemv_layout.py) 6.5 ms against 7.2 for il_group on scales widened
-   per block, 7.0 on float32 scales (a third more bytes) and 5.3 for Q4_0's form (no offsets).
-   Batch-invariant as il_group. */
 /* 8 unsigned byte codes (a block's 6-bit scale or offset codes for 8 rows) as floats. */
 static inline __m256 k_codes(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
@@ -633,6 +626,14 @@ static inline __m256 il_k_scaled(__m256i sum, __m256 sc, __m256 D, float xd, __m
     __asm__("" : "+x"(f));
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(sc, f), acc);
 }
+/* il_group for factored scales (KSCALES; dg: the group's codes [nb / 8][sc 8, m 8][8 rows], cg:
+   their factors [nb / 8][D, Dm][8 rows] float16). The factors are read once per 256 weights and the
+   nibbles stay uncentred: per row, sum over blocks of D sc xd sum(q x), plus Dm times the offset
+   codes' sum m xs over the 256. Turning the codes into floats costs operations per block that
+   float scales do not, and at one token this kernel is bound by operations rather than bytes: 3B
+   shapes from DRAM (scripts/bench_gemv_layout.py) 6.5 ms against 7.2 for il_group on scales widened
+   per block, 7.0 on float32 scales (a third more bytes) and 5.3 for Q4_0's form (no offsets).
+   Batch-invariant as il_group. */
 static inline __m256 il_group_k(const uint8_t *wg, const uint8_t *dg, const uint16_t *cg, int64_t nb,
                                 const uint8_t *lo, const int8_t *hi, const float *xd, const float *xs) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), ac = _mm256_setzero_ps();
@@ -738,10 +739,9 @@ static inline __m256 il8_group(const uint8_t *wg, const void *dg, const int SCL,
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *wb = wg + b * 256;
         for (int l = 0; l < 4; ++l) _mm_prefetch((const char *)wb + PREFETCH_AHEAD + 64 * l, _MM_HINT_T0);
-        const __m256 s = _mm256_cvtepi32_ps(il8_block_sum(wb, x + b * 32));
-        const __m256 sc = _mm256_mul_ps(il_scales(dg, SCL, b), _mm256_set1_ps(xd[b]));
-        if (b & 1) a1 = _mm256_fmadd_ps(s, sc, a1);  /* even and odd blocks, as il_group */
-        else a0 = _mm256_fmadd_ps(s, sc, a0);
+        const __m256i s = il8_block_sum(wb, x + b * 32);
+        if (b & 1) a1 = il_scaled(s, 0, il_scales(dg, SCL, b), xd[b], a1);  /* even and odd blocks, as il_group */
+        else a0 = il_scaled(s, 0, il_scales(dg, SCL, b), xd[b], a0);
     }
     return il_finish(a0, a1, cg, nb, xs);
 }
@@ -759,8 +759,7 @@ static void il8_group_m(const uint8_t *wg, const void *dg, const int SCL, const 
         const __m256 d = il_scales(dg, SCL, b);
         __m256 *a = acc[b & 1];
         for (int t = 0; t < T; ++t)
-            a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il8_sum_widened(w, x + t * K + b * 32)),
-                                   _mm256_mul_ps(d, _mm256_set1_ps(xd[t * nb + b])), a[t]);
+            a[t] = il_scaled(il8_sum_widened(w, x + t * K + b * 32), 0, d, xd[t * nb + b], a[t]);
     }
     for (int t = 0; t < T; ++t) out[t] = il_finish(acc[0][t], acc[1][t], cg, nb, xs + t * nb);
 }
