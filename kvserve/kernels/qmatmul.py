@@ -198,6 +198,12 @@ def can_interleave(w: Blocks) -> bool:
     return w.shape[0] % 8 == 0
 
 
+def interleaved_for(mode: str, bits: int) -> bool:
+    """Whether weights of `bits` run `mode` activations on rows interleaved by 8: int16 always, int8
+    with 4-bit codes (read in place by il8_tile; 8-bit ones take row-major copies)."""
+    return mode == "int16" or (mode == "int8" and bits == 4)
+
+
 def _groups(t: torch.Tensor, forward: bool) -> torch.Tensor:
     """Scales t [N, nb] with rows interleaved by 8 (forward: [G, 8, nb] -> [G, nb, 8]) or back."""
     n, nb = t.shape

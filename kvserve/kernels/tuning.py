@@ -12,7 +12,10 @@ linears' key also holds the kernels' source, so a changed kernel is measured aga
   the quantized kernel (int8 only with KVSERVE_INT8_ACTIVATIONS=1); per weight shape the batch
   size from which dequantizing and one dense matmul beat the kernel (`dense_from`); and, for a
   float32 model on a CPU with bfloat16 arithmetic, whether that dense (prefill) matmul runs in
-  bfloat16 (`dense_dtype`), so decode and prefill each get their own measured choice.
+  bfloat16 (`dense_dtype`), so decode and prefill each get their own measured choice; or, for
+  4-bit weights whose decode runs int16 codes, whether prefill-sized batches run the kernel with
+  int8 codes instead (`dense_dtype` 'int8': half the products' instructions of int16, and no
+  dequantized copy; KVSERVE_PREFILL_INT8=0 turns it off).
 
 One noisy run must not decide for every later start: the candidates are timed interleaved over
 rounds and the cached entries re-checked at start (evidence.py). And a choice against the CPU's
@@ -60,10 +63,16 @@ TUNING_ENV = "KVSERVE_KERNEL_TUNING"  # "off": no measuring; float32 activations
 # "1": int8 activations are a candidate. Off by default: within perplexity bounds (+0.35% on the
 # default model) but they turned the default model's greedy answer to a plain chat question wrong.
 INT8_ENV = "KVSERVE_INT8_ACTIVATIONS"
+# "0": prefill-sized batches never take int8 codes (PREFILL_INT8); by default they do where measured faster
+PREFILL_INT8_ENV = "KVSERVE_PREFILL_INT8"
 
 
 def int8_allowed() -> bool:
     return os.environ.get(INT8_ENV, "0") == "1"
+
+
+def prefill_int8_allowed() -> bool:
+    return os.environ.get(PREFILL_INT8_ENV, "auto").lower() not in ("0", "off")
 
 
 def enabled() -> bool:
@@ -181,7 +190,30 @@ def _dense_dtype(t: dict[str, dict[str, float]], flags: frozenset[str]) -> str |
     return "bfloat16" if rows and bf16 * gain("bfloat16", flags) <= f32 else None
 
 
-def choose(times: dict, counts: dict[str, int], allow_int8: bool = True, flags: frozenset[str] = frozenset()) -> dict:
+PREFILL_INT8 = "prefill_int8"  # the path: the kernel with int8 codes on interleaved 4-bit rows, at GRID rows
+
+
+def _int8_prefill_from(t: dict[str, dict[str, float]], act: str) -> int | None:
+    """From how many rows (BF16_DENSE_MIN_ROWS at least) a prefill-sized batch runs the kernel with
+    int8 codes (PREFILL_INT8): the smallest measured batch size from which, at it and every larger
+    size, int8 is LOWER_PRECISION_GAIN times faster than each float32-class path (the kernel in
+    `act`, the dense float32 matmul) and at least as fast as the bfloat16 dense one (both lower
+    precision: +0.35% perplexity for int8 on the default model, BENCHMARKS.md); None if it never
+    is, or was not measured (a weight that is not interleaved 4-bit, or a decode in float32)."""
+    if PREFILL_INT8 not in t or act not in ("int16", "int8"):
+        return None
+    from_ = None
+    for r in sorted((int(r) for r in t[PREFILL_INT8] if int(r) >= BF16_DENSE_MIN_ROWS), reverse=True):
+        i8, k = t[PREFILL_INT8][str(r)], str(r)
+        if not (i8 * LOWER_PRECISION_GAIN <= min(t[act][k], t["dense"][k])
+                and ("dense_bf16" not in t or i8 <= t["dense_bf16"][k])):
+            break
+        from_ = r
+    return from_
+
+
+def choose(times: dict, counts: dict[str, int], allow_int8: bool = True, flags: frozenset[str] = frozenset(),
+           allow_prefill_int8: bool = True) -> dict:
     """The rule, from timings: times[shape][path][rows] seconds, path one of qmatmul.MODES (the
     kernel with those activations), 'dense' (the model's dtype) and, where measured, 'dense_bf16';
     counts[shape]: how many linears have that shape; flags: the CPU's.
@@ -191,11 +223,13 @@ def choose(times: dict, counts: dict[str, int], allow_int8: bool = True, flags: 
     dense_dtype[shape]: `_dense_dtype`. dense_from[shape]: the smallest measured batch size from
     which the dense path (in that dtype) is at least as fast as the kernel at it and every larger
     size measured (SMALL_DENSE_GAIN times faster up to SMALL_BATCH rows; in bfloat16 never below
-    BF16_DENSE_MIN_ROWS); NEVER if none."""
+    BF16_DENSE_MIN_ROWS); NEVER if none. Where `_int8_prefill_from` finds int8 codes faster still
+    (measured as PREFILL_INT8), dense_dtype[shape] is 'int8' and dense_from[shape] its row count:
+    from there the kernel runs with int8 codes instead of a dense matmul."""
     def total(mode: str) -> float:
         return sum(counts[s] * times[s][mode][str(DECODE_ROWS)] for s in times)
 
-    modes = sorted({p for t in times.values() for p in t if not p.startswith("dense") and (allow_int8 or p != "int8")})
+    modes = sorted({p for t in times.values() for p in t if p in qmatmul.MODES and (allow_int8 or p != "int8")})
     act = min(modes, key=lambda p: total(p) * _path_gain(p, DECODE_ROWS, flags)) if modes else "float32"
     dense_from, dense_dtype = {}, {}
     for shape, t in times.items():
@@ -208,6 +242,9 @@ def choose(times: dict, counts: dict[str, int], allow_int8: bool = True, flags: 
                 break
             from_ = r
         dense_from[shape] = from_
+        i8 = _int8_prefill_from(t, act) if allow_prefill_int8 else None
+        if i8 is not None:
+            dense_from[shape], dense_dtype[shape] = i8, "int8"
     return {"activations": act, "dense_from": dense_from, "dense_dtype": dense_dtype}
 
 
@@ -220,10 +257,12 @@ def _linear_paths(m: nn.Module, dtype: torch.dtype, bf16: bool) -> dict[str, Cal
     w = m.blocks()
     x = torch.randn(GRID[-1], m.in_features, generator=torch.Generator().manual_seed(0))
     xd = x.to(dtype)
-    # each mode on the layout it runs with (int16: rows interleaved by 8; see GroupCodesLinear.activations)
-    laid = {mode: qmatmul.relayout(w, mode == "int16") for mode in qmatmul.MODES}
+    # each mode on the layout it runs with (qmatmul.interleaved_for; see GroupCodesLinear.activations)
+    laid = {mode: qmatmul.relayout(w, qmatmul.interleaved_for(mode, w.bits)) for mode in qmatmul.MODES}
     paths: dict[str, Callable[[int], object]] = {
         mode: (lambda r, mode=mode: qmatmul.matmul(x[:r], laid[mode], mode)) for mode in qmatmul.MODES}
+    if laid["int8"].interleaved:  # int8 codes for prefill-sized batches, on the int16 kernel's layout
+        paths[PREFILL_INT8] = lambda r: qmatmul.matmul(x[:r], laid["int8"], "int8")
     paths["dense"] = lambda r: F.linear(xd[:r], qmatmul.dequantize(w, dtype, reuse=True))
     if bf16:
         paths["dense_bf16"] = lambda r: F.linear(xd[:r].bfloat16(),
@@ -260,11 +299,14 @@ def _spot_pairs(times: dict, chosen: dict, by_shape: dict[str, nn.Module], dtype
     pairs: list[SpotPair] = []
     for key, m in by_shape.items():
         t, paths = times[key], _linear_paths(m, dtype, bf16)
-        dense, act = "dense_bf16" if chosen["dense_dtype"][key] else "dense", chosen["activations"]
+        dense = {None: "dense", "bfloat16": "dense_bf16", "int8": PREFILL_INT8}[chosen["dense_dtype"][key]]
+        act = chosen["activations"]
         r = chosen["dense_from"][key]
         pairs.append(_pair(key, t, paths, GRID[-1], act, dense) if r == NEVER else _pair(key, t, paths, r, dense, act))
         if "dense_bf16" in t and "dense_bf16" in paths:
             pairs.append(_pair(key, t, paths, PREFILL_ROWS, dense, "dense" if dense == "dense_bf16" else "dense_bf16"))
+        if dense == PREFILL_INT8 and "dense_bf16" not in t:
+            pairs.append(_pair(key, t, paths, PREFILL_ROWS, dense, "dense"))
     return pairs
 
 
@@ -276,6 +318,7 @@ def tune_linears(model: nn.Module, dtype: torch.dtype, allow_int8: bool | None =
         return None
     flags = cpu.cpu_flags()
     allow = int8_allowed() if allow_int8 is None else allow_int8
+    allow_prefill = prefill_int8_allowed()
     # a float32 model's prefill may run on the CPU's bfloat16 units; elsewhere not even measured
     bf16 = dtype == torch.float32 and native("bfloat16", flags)
     by_shape: dict[str, nn.Module] = {}
@@ -290,18 +333,20 @@ def tune_linears(model: nn.Module, dtype: torch.dtype, allow_int8: bool | None =
                 "source": source}
 
     def spot(entry: dict) -> str | None:
-        return spot_check(_spot_pairs(entry["times"], choose(entry["times"], counts, allow, flags), by_shape,
-                                      dtype, bf16))
+        return spot_check(_spot_pairs(entry["times"], choose(entry["times"], counts, allow, flags, allow_prefill),
+                                      by_shape, dtype, bf16))
 
     # the kernels' source is part of the key: a changed kernel is measured again
     source = build.source_digest("qmatmul.c")
     entry, how = decide("linears", [sorted(by_shape), str(dtype), source], measure, spot)
     times = entry["times"]
-    chosen = choose(times, counts, allow, flags)
+    chosen = choose(times, counts, allow, flags, allow_prefill)
     for m in mods:
         key = _shape_key(m)
         m.activations, m.dense_from = chosen["activations"], chosen["dense_from"][key]
-        m.dense_dtype = None if chosen["dense_dtype"][key] is None else getattr(torch, chosen["dense_dtype"][key])
+        dd = chosen["dense_dtype"][key]
+        m.prefill_int8 = dd == "int8"
+        m.dense_dtype = None if dd in (None, "int8") else getattr(torch, dd)
     t1 = {mode: sum(counts[s] * times[s][mode][str(DECODE_ROWS)] for s in counts)
           for mode in qmatmul.MODES if all(mode in times[s] for s in counts)}
     logger.info("linears: %d quantized (%s; rounds spread %.0f%%); %s activations (all linears at 1 row: %s); "

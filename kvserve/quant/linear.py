@@ -203,9 +203,11 @@ class GroupCodesLinear(_QuantLinear):
             self.register_buffer("d", blocks.d.to(device))
             self.register_buffer("c", None if blocks.c is None else blocks.c.to(device))
             # set by kvserve.kernels.tuning from measurements; these are the untuned defaults
-            # (dense_dtype: the dense prefill matmul's dtype, None for x's; decode keeps the kernel)
+            # (dense_dtype: the dense prefill matmul's dtype, None for x's; prefill_int8: from
+            # dense_from rows the kernel with int8 codes instead; decode keeps the kernel)
             self.activations, self.dense_from = "float32", tuning.DEFAULT_DENSE_FROM
             self.dense_dtype: torch.dtype | None = None
+            self.prefill_int8 = False
             return
         self.group = _kernel_group(qw.group_size, out, device)
         if self.group is None:
@@ -271,7 +273,8 @@ class GroupCodesLinear(_QuantLinear):
     @property
     def activations(self) -> str:
         """Blocks path: how x is multiplied (one of qmatmul.MODES). Setting it lays the weight out for
-        that mode: int16 reads rows interleaved by 8 (qmatmul.relayout), the others row-major."""
+        that mode: rows interleaved by 8 (qmatmul.relayout) where qmatmul.interleaved_for says so,
+        else row-major."""
         return self.__dict__.get("_activations", "float32")
 
     @activations.setter
@@ -280,7 +283,7 @@ class GroupCodesLinear(_QuantLinear):
             raise ValueError(f"activations must be one of {qmatmul.MODES}, got {mode!r}")
         self.__dict__["_activations"] = mode
         if self.path == "blocks":
-            b = qmatmul.relayout(self.blocks(), mode == "int16")
+            b = qmatmul.relayout(self.blocks(), qmatmul.interleaved_for(mode, self.bits))
             self.codes, self.d, self.c = b.codes, b.d, b.c
             self.__dict__["_interleaved"] = b.interleaved
 
@@ -310,6 +313,8 @@ class GroupCodesLinear(_QuantLinear):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.path == "blocks":
+            if x.shape[0] >= self.dense_from and self.prefill_int8:  # prefill-sized, int8 codes (tuning chose)
+                return qmatmul.matmul(x.float(), self.blocks(), "int8").to(x.dtype)
             if x.shape[0] >= self.dense_from:  # prefill-sized: one dense matmul, on bf16 units if tuning chose them
                 dt = self.dense_dtype or x.dtype
                 return F.linear(x.to(dt), qmatmul.dequantize(self.blocks(), dt, reuse=True)).to(x.dtype)

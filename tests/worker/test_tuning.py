@@ -370,16 +370,19 @@ def test_bf16_dense_never_takes_decode_sized_batches():
     assert f32["dense_dtype"] == {"s": None} and f32["dense_from"]["s"] == 2
 
 
-def linear_clock(bf16_speedup: float = 2.0) -> Callable[[str, int], float]:
+def linear_clock(bf16_speedup: float = 2.0, int16: float = 3e-5, prefill_int8: float = 1e-6
+                 ) -> Callable[[str, int], float]:
     """'<path>@<shape>/<rows>': the kernel linear in the rows, the dense path a fixed cost (the
     dequantized weight) plus a smaller slope, bfloat16 dense `bf16_speedup` times faster; dense
-    float32 from 32 rows, dense bfloat16 from 16 (8 is decode-sized: not by SMALL_DENSE_GAIN)."""
+    float32 from 32 rows, dense bfloat16 from 16 (8 is decode-sized: not by SMALL_DENSE_GAIN).
+    int16 codes `int16` seconds per row (the float32 kernel 1e-5: it wins decode by default), int8
+    codes for prefill `prefill_int8` per row."""
     def seconds(label: str, n: int) -> float:
         path, where = label.split("@")
         rows = int(where.rsplit("/", 1)[1])
         dense = 1e-4 + 5e-6 * rows
-        return {"float32": 1e-5 * rows, "int8": 2e-5 * rows, "int16": 3e-5 * rows, "dense": dense,
-                "dense_bf16": dense / bf16_speedup}[path]
+        return {"float32": 1e-5 * rows, "int8": 2e-5 * rows, "int16": int16 * rows, "dense": dense,
+                "dense_bf16": dense / bf16_speedup, tuning.PREFILL_INT8: prefill_int8 * rows}[path]
     return seconds
 
 
@@ -450,6 +453,54 @@ def test_a_slower_bf16_dense_keeps_float32_and_a_cached_entry_is_spot_checked(ca
     # dense (chosen) against the kernel at dense_from, and the two dense dtypes at 256 rows
     assert sorted(clock.count) == ["dense@64x128:4bit/256", "dense@64x128:4bit/32", "dense_bf16@64x128:4bit/256",
                                    "float32@64x128:4bit/32"]
+
+
+def test_int8_codes_take_prefill_where_they_win_with_a_margin():
+    """Issue 30 item 4: prefill-sized batches of a weight whose decode runs int16 codes may run int8
+    codes instead: from BF16_DENSE_MIN_ROWS on, LOWER_PRECISION_GAIN faster than the float32-class
+    paths (the kernel, the float32 dense matmul) and no slower than the bfloat16 dense one."""
+    def t(i8: float, bf16: float | None = None) -> dict:
+        kernel = {8: 4.0, 16: 8.0, 32: 16.0, 256: 128.0}
+        out = {"int16": {"1": 1.0, **{str(r): v for r, v in kernel.items()}},
+               "float32": {"1": 2.0, **{str(r): 2 * v for r, v in kernel.items()}},
+               "dense": {str(r): 20.0 + v / 2 for r, v in kernel.items()},
+               tuning.PREFILL_INT8: {str(r): v * i8 for r, v in kernel.items()}}
+        if bf16 is not None:
+            out["dense_bf16"] = {str(r): (20.0 + v / 2) * bf16 for r, v in kernel.items()}
+        return out
+    got = tuning.choose({"s": t(0.5)}, {"s": 1}, flags=BF16)
+    assert got["activations"] == "int16" and got["dense_dtype"] == {"s": "int8"} and got["dense_from"] == {"s": 16}
+    # 1.1x the int16 kernel: within the precision margin, so no int8 (dense float32 from 256 as before)
+    got = tuning.choose({"s": t(0.9)}, {"s": 1}, flags=BF16)
+    assert got["dense_dtype"] == {"s": None} and got["dense_from"] == {"s": 256}
+    # slower than bfloat16 dense at 256 rows: bfloat16 there, and int8 not from 16 either
+    got = tuning.choose({"s": t(0.5, bf16=0.5)}, {"s": 1}, flags=BF16)
+    assert got["dense_dtype"] == {"s": "bfloat16"}
+    assert tuning.choose({"s": t(0.5)}, {"s": 1}, flags=BF16, allow_prefill_int8=False)["dense_dtype"] == {"s": None}
+    # float32 activations at decode (row-major weights): int8 prefill is not a candidate
+    f32 = t(0.5)
+    f32["float32"]["1"] = 0.5
+    assert tuning.choose({"s": f32}, {"s": 1})["dense_dtype"] == {"s": None}
+
+
+def test_tune_linears_sets_int8_prefill_and_the_module_runs_it(cache, monkeypatch, caplog):
+    set_flags(monkeypatch, bf16=False)
+    use_clock(monkeypatch, linear_clock(int16=5e-6, prefill_int8=1e-6))
+    model = two_linears()
+    with caplog.at_level("INFO", logger=LOGGER):
+        chosen = tuning.tune_linears(model, torch.float32)
+    assert chosen["activations"] == "int16" and chosen["dense_dtype"] == {"64x128:4bit": "int8"}
+    assert chosen["dense_from"] == {"64x128:4bit": 16} and "64x128:4bit 16 in int8" in caplog.text
+    m = model[0]
+    assert m.prefill_int8 and m.dense_dtype is None and m.blocks().interleaved
+    x = torch.randn(20, 128, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(m(x), qmatmul.matmul(x, m.blocks(), "int8"))  # 20 rows: int8 codes
+    assert torch.equal(m(x[:15]), qmatmul.matmul(x[:15], m.blocks(), "int16"))  # decode-sized: int16
+    ref = F.linear(x, qmatmul.dequantize(m.blocks()))
+    assert float((m(x) - ref).norm() / ref.norm()) < 2e-2
+    monkeypatch.setenv(tuning.PREFILL_INT8_ENV, "0")
+    assert tuning.tune_linears(model, torch.float32)["dense_dtype"] == {"64x128:4bit": None}
+    assert not model[0].prefill_int8
 
 
 # ---- what `kvserve env` shows ------------------------------------------------------------------

@@ -516,6 +516,30 @@ static inline __m256i il_sum_unpacked(const __m256i w[8], const uint8_t *lo, con
                             _mm256_madd_epi16(ph, _mm256_set1_epi16(256)));
 }
 #endif
+/* The same block's 8 rows against one token's int8 codes x (a prefill's activations, opt-in
+   decode's): the nibbles are the unsigned operand and x the signed one, so each chunk takes one
+   dpbusd per nibble half, half the int16 codes' products. Without VNNI maddubs pairs (at most
+   2 x 15 x 128) summed over the 8 stay under 32767 before one widening madd. */
+#if HAS_VNNI
+static inline __m256i il_sum_unpacked8(const __m256i w[8], const int8_t *x) {
+    const int32_t *x4 = (const int32_t *)x;
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+        s0 = dpbusd(s0, w[2 * c], _mm256_set1_epi32(x4[c]));
+        s1 = dpbusd(s1, w[2 * c + 1], _mm256_set1_epi32(x4[4 + c]));
+    }
+    return _mm256_add_epi32(s0, s1);
+}
+#else
+static inline __m256i il_sum_unpacked8(const __m256i w[8], const int8_t *x) {
+    const int32_t *x4 = (const int32_t *)x;
+    __m256i p = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c)
+        p = _mm256_add_epi16(p, _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * c], _mm256_set1_epi32(x4[c])),
+                                                 _mm256_maddubs_epi16(w[2 * c + 1], _mm256_set1_epi32(x4[4 + c]))));
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+#endif
 /* A block's 4 chunks of codes as bytes: w[2 c] the low nibbles of chunk c, w[2 c + 1] its high ones. */
 static inline void il_unpack_block(const uint8_t *wb, __m256i w[8]) {
     const __m256i m4 = _mm256_set1_epi8(15);
@@ -689,6 +713,74 @@ static void il_group_k_m(const uint8_t *wg, const uint8_t *dg, const uint16_t *c
     }
     for (int t = 0; t < T; ++t) out[t] = il_sum3(acc[0][t], acc[1][t], ac[t]);
 }
+/* 4-bit interleaved weights against int8 codes (a prefill's activations; decode's where int8 is
+   chosen), T tokens (1, 2, 4 or 8: a constant, so the accumulators stay in registers) packed block
+   by block: codes xp [nb][T][32], their sums cp, scales xd and exact sums xs [nb][T] (one pointer
+   walks every token's block). Per token and row: sum over blocks of d xd (sum(q x) - 8 cs), even
+   and odd blocks in two accumulators, then the offsets c xs; factored scales (SC_K) the same with
+   d = D sc and the offsets' codes, the nibbles centred as in the other scales (uncentred, an int8
+   rounding error of x would be weighted by a code up to 15, not 8): one coefficient per block,
+   Dm m + 8 D sc, against the exact sum xs. Each token's operations do not depend on T (batch-
+   invariant). Per block and token: 8 dpbusd, half the int16 codes' 16 (two bytes per activation):
+   at 256 tokens of the 1.1B shapes ~1.3x a bfloat16 dense matmul on AVX512-BF16 (BENCHMARKS.md). */
+/* Token t's share of block b (i: its place in the packed run) into acc. */
+#define IL8_TOKEN(t, acc) if (T > t) { \
+        const int64_t i = b * T + t; \
+        const __m256i s_ = _mm256_sub_epi32(il_sum_unpacked8(w, xp + i * 32), _mm256_set1_epi32(cp[i])); \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_), _mm256_mul_ps(d, _mm256_set1_ps(xd[i])), acc); \
+        if (SCL == SC_K || cg) acc = _mm256_fmadd_ps(e, _mm256_set1_ps(xs[i]), acc); }
+static inline __attribute__((always_inline)) void il8_tile(
+        const int T, const int SCL, const uint8_t *wg, const void *dg, const void *cg, int64_t nb,
+        const int8_t *xp, const int32_t *cp, const float *xd, const float *xs, __m256 *out) {
+    /* eight named accumulators: an array of them stayed in memory (GCC 12) */
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *wb = wg + b * 128;
+        _mm_prefetch((const char *)wb + PREFETCH_AHEAD, _MM_HINT_T0);
+        _mm_prefetch((const char *)wb + PREFETCH_AHEAD + 64, _MM_HINT_T0);
+        __m256i w[8];
+        il_unpack_block(wb, w);
+        __m256 d, e = _mm256_setzero_ps();
+        if (SCL == SC_K) {  /* factored: codes [nb / 8][sc 8, m 8][8 rows], factors [nb / 8][D, Dm][8 rows] */
+            const uint16_t *f = (const uint16_t *)cg + b / 8 * 16;
+            const uint8_t *sc = (const uint8_t *)dg + b / 8 * 128 + b % 8 * 8;
+            const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)f));
+            const __m256 Dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(f + 8)));
+            d = _mm256_mul_ps(D, k_codes(sc));
+            e = _mm256_fmadd_ps(Dm, k_codes(sc + 64), _mm256_mul_ps(d, _mm256_set1_ps(8.f)));
+        } else {
+            d = il_scales(dg, SCL, b);
+            if (cg) e = _mm256_loadu_ps((const float *)cg + b * 8);
+        }
+        IL8_TOKEN(0, a0) IL8_TOKEN(1, a1) IL8_TOKEN(2, a2) IL8_TOKEN(3, a3)
+        IL8_TOKEN(4, a4) IL8_TOKEN(5, a5) IL8_TOKEN(6, a6) IL8_TOKEN(7, a7)
+    }
+    out[0] = a0; out[1] = a1; out[2] = a2; out[3] = a3; out[4] = a4; out[5] = a5; out[6] = a6; out[7] = a7;
+}
+#define IL8_TILE(T) do { \
+        if (scl == SC_K) il8_tile(T, SC_K, wg, dg, cg, nb, xp, cp, pd, ps, o); \
+        else if (scl == SC_F16) il8_tile(T, SC_F16, wg, dg, cg, nb, xp, cp, pd, ps, o); \
+        else il8_tile(T, SC_F32, wg, dg, cg, nb, xp, cp, pd, ps, o); } while (0)
+/* int8 codes xq [M, K] (scales xd, exact sums xs [M, K/32]) packed for il8_tile: tokens in runs of
+   8, then of 4, 2 and 1 (the runs il_int8 takes), each run block by block. */
+static void il8_pack(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, int8_t *xp,
+                     int32_t *cp, float *pd, float *ps) {
+    const int64_t nb = K / 32;
+    for (int64_t t0 = 0, T; t0 < M; t0 += T) {
+        T = M - t0 >= 8 ? 8 : M - t0 >= 4 ? 4 : M - t0 >= 2 ? 2 : 1;
+        for (int64_t b = 0; b < nb; ++b)
+            for (int64_t t = 0; t < T; ++t) {
+                const int64_t i = (t0 + t) * nb + b, o = t0 * nb + b * T + t;
+                const int8_t *src = xq + i * 32;
+                int32_t sum = 0;
+                for (int j = 0; j < 32; ++j) sum += src[j];
+                memcpy(xp + o * 32, src, 32);
+                cp[o] = 8 * sum;
+                pd[o] = xd[i];
+                ps[o] = xs[i];
+            }
+    }
+}
 /* 8-bit weights with int16 activations, 8 rows interleaved (INTERLEAVED): the same permutation of
    4-byte words as 4-bit, a block of 32 signed codes being 2 units of 16 row bytes, so a group's block
    is 256 bytes, 8 chunks of 32: chunk c's bytes 4 i + j are row i's weight 4 c + j. The codes are
@@ -765,7 +857,7 @@ static void il8_group_m(const uint8_t *wg, const void *dg, const int SCL, const 
 }
 #endif
 
-/* A per-thread byte buffer kept between calls: il_int16's split codes, or il_chunk's row-major copies. */
+/* A per-thread byte buffer kept between calls: il_int16's split codes, il_int8's packed ones, or il_chunk's row-major copies. */
 static uint8_t *split_scratch(size_t n) {
     static __thread uint8_t *buf;
     static __thread size_t cap;
@@ -1059,6 +1151,43 @@ static void qgemm_dispatch(int act, int bits, const uint8_t *wq, const float *wd
 }
 
 #if defined(__AVX2__)
+/* Interleaved 4-bit rows [n0, n1) for M tokens of int8 codes (il8_tile). */
+static void il_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, int64_t K, const int8_t *xq,
+                    const float *xd, const float *xs, int64_t M, float *y, int64_t ldy, int64_t n0, int64_t n1) {
+    const int64_t nb = K / 32;
+    int8_t *xp = (int8_t *)split_scratch((size_t)(M * K + 12 * M * nb));
+    int32_t *cpk = (int32_t *)(xp + M * K);
+    float *pdk = (float *)(cpk + M * nb), *psk = pdk + M * nb;
+    il8_pack(xq, xd, xs, M, K, xp + 0, cpk, pdk, psk);
+    for (int64_t g = n0 >> 3; g * 8 < n1; ++g) {
+        const uint8_t *wg = wq + g * nb * 128;
+        const void *dg = scl == SC_K ? (const void *)((const uint8_t *)wd + g * nb * 16)
+                         : scl == SC_F16 ? (const void *)((const uint16_t *)wd + g * nb * 8)
+                         : (const void *)((const float *)wd + g * nb * 8);
+        const void *cg = !wc ? 0 : scl == SC_K ? (const void *)((const uint16_t *)wc + g * nb * 2)
+                         : (const void *)((const float *)wc + g * nb * 8);
+        for (int64_t t0 = 0, T; t0 < M; t0 += T) {
+            T = M - t0 >= 8 ? 8 : M - t0 >= 4 ? 4 : M - t0 >= 2 ? 2 : 1;
+            const int8_t *xp_ = xp + t0 * K;
+            const int32_t *cp = cpk + t0 * nb;
+            const float *pd = pdk + t0 * nb, *ps = psk + t0 * nb;
+            __m256 o[8];
+            {
+                const int8_t *xp = xp_;
+                if (T == 8) IL8_TILE(8);
+                else if (T == 4) IL8_TILE(4);
+                else if (T == 2) IL8_TILE(2);
+                else IL8_TILE(1);
+            }
+            for (int t = 0; t < T; ++t) {
+                float out[8];
+                _mm256_storeu_ps(out, o[t]);
+                for (int i = 0; i < 8; ++i)
+                    if (g * 8 + i >= n0 && g * 8 + i < n1) y[(t0 + t) * ldy + g * 8 + i] = out[i];
+            }
+        }
+    }
+}
 /* Interleaved rows [n0, n1) for M tokens of int16 activations, scales as stored (scl: SC_F32,
    SC_F16 or SC_K): group by group, up to IL_TOKENS tokens at a time (each block's codes unpacked
    once for them). */
@@ -1146,6 +1275,11 @@ static void il_rows(int act, int bits, const uint8_t *wq, const void *wd, const 
     bits &= ~(HALF_SCALES | INTERLEAVED | KSCALES);
     const int64_t nb = K / 32, row_bytes = bits == 4 ? K / 2 : K;
 #if defined(__AVX2__)
+    if (act == ACT_INT8 && bits == 4 && (!(half || ks) || HAS_F16C)) {
+        il_int8(wq, wd, ks ? SC_K : half ? SC_F16 : SC_F32, wc, K, (const int8_t *)xq, xs + M * nb, xs, M, y, ldy, n0,
+                n1);
+        return;
+    }
     if (act == ACT_INT16 && (!(half || ks) || HAS_F16C)) {
         il_int16(bits, wq, wd, ks ? SC_K : half ? SC_F16 : SC_F32, wc, K, (const int16_t *)xq, xs + M * nb, xs, M, y, ldy,
                  n0, n1);
