@@ -1151,6 +1151,89 @@ static void qgemm_dispatch(int act, int bits, const uint8_t *wq, const float *wd
 }
 
 #if defined(__AVX2__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#define HAS_IL8Z 1
+/* il8_tile for two adjacent groups at once in 512-bit registers (group g in the low half, g + 1
+   in the high one) and 8 tokens: each broadcast of 4 activation bytes and each float step then
+   serves 16 rows. Every lane's operations are il8_tile's (exact integer sums, then the same
+   float steps in the same order), so a row's output has the same bits either way. 1.1B shapes at
+   256 tokens: ~1.2x il8_tile's speed (Zen 4, which splits a 512-bit operation in two). */
+static inline __m512i il8z_pair(const void *a, const void *b) {  /* 32 bytes of each group */
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+static inline __m512 il8z_halves(const uint16_t *a, const uint16_t *b) {  /* 8 float16 of each group */
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                                   _mm_loadu_si128((const __m128i *)b), 1));
+}
+static inline __m512 il8z_codes(const uint8_t *a, const uint8_t *b) {  /* 8 byte codes of each group */
+    const __m128i v = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+}
+#define IL8Z_TOKEN(t, acc) { \
+        const int64_t i = b * 8 + t; \
+        const int32_t *x4 = (const int32_t *)(xp + i * 32); \
+        __m512i s0 = _mm512_setzero_si512(), s1 = s0; \
+        for (int c = 0; c < 4; ++c) { \
+            s0 = _mm512_dpbusd_epi32(s0, w[2 * c], _mm512_set1_epi32(x4[c])); \
+            s1 = _mm512_dpbusd_epi32(s1, w[2 * c + 1], _mm512_set1_epi32(x4[4 + c])); } \
+        const __m512i s_ = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(cp[i])); \
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_), _mm512_mul_ps(d, _mm512_set1_ps(xd[i])), acc); \
+        if (SCL == SC_K || cg) acc = _mm512_fmadd_ps(e, _mm512_set1_ps(xs[i]), acc); }
+static inline __attribute__((always_inline)) void il8z_tile(
+        const int SCL, const uint8_t *wg, const void *dg, const void *cg, int64_t nb,
+        const int8_t *xp, const int32_t *cp, const float *xd, const float *xs, __m512 *out) {
+    const uint8_t *wg2 = wg + nb * 128;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    const __m512i m4 = _mm512_set1_epi8(15);
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *wb = wg + b * 128, *wb2 = wg2 + b * 128;
+        _mm_prefetch((const char *)wb + PREFETCH_AHEAD, _MM_HINT_T0);
+        _mm_prefetch((const char *)wb + PREFETCH_AHEAD + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)wb2 + PREFETCH_AHEAD, _MM_HINT_T0);
+        _mm_prefetch((const char *)wb2 + PREFETCH_AHEAD + 64, _MM_HINT_T0);
+        __m512i w[8];
+        for (int c = 0; c < 4; ++c) {
+            const __m512i v = il8z_pair(wb + 32 * c, wb2 + 32 * c);
+            w[2 * c] = _mm512_and_si512(v, m4);
+            w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        }
+        __m512 d, e = _mm512_setzero_ps();
+        if (SCL == SC_K) {
+            const uint16_t *f = (const uint16_t *)cg + b / 8 * 16, *f2 = f + nb * 2;
+            const uint8_t *sc = (const uint8_t *)dg + b / 8 * 128 + b % 8 * 8, *sc2 = sc + nb * 16;
+            d = _mm512_mul_ps(il8z_halves(f, f2), il8z_codes(sc, sc2));
+            e = _mm512_fmadd_ps(il8z_halves(f + 8, f2 + 8), il8z_codes(sc + 64, sc2 + 64),
+                                _mm512_mul_ps(d, _mm512_set1_ps(8.f)));
+        } else {
+            if (SCL == SC_F16) d = il8z_halves((const uint16_t *)dg + b * 8, (const uint16_t *)dg + nb * 8 + b * 8);
+            else d = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_loadu_pd((const double *)((const float *)dg + b * 8))),
+                                                         _mm256_loadu_pd((const double *)((const float *)dg + nb * 8 + b * 8)), 1));
+            if (cg) e = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_loadu_pd((const double *)((const float *)cg + b * 8))),
+                                                            _mm256_loadu_pd((const double *)((const float *)cg + nb * 8 + b * 8)), 1));
+        }
+        IL8Z_TOKEN(0, a0) IL8Z_TOKEN(1, a1) IL8Z_TOKEN(2, a2) IL8Z_TOKEN(3, a3)
+        IL8Z_TOKEN(4, a4) IL8Z_TOKEN(5, a5) IL8Z_TOKEN(6, a6) IL8Z_TOKEN(7, a7)
+    }
+    out[0] = a0; out[1] = a1; out[2] = a2; out[3] = a3; out[4] = a4; out[5] = a5; out[6] = a6; out[7] = a7;
+}
+#else
+#define HAS_IL8Z 0
+#endif
+/* il8_tile for a run of T tokens (8, 4, 2 or 1), scales as stored. */
+static void il8_run(int64_t T, int scl, const uint8_t *wg, const void *dg, const void *cg, int64_t nb,
+                    const int8_t *xp, const int32_t *cp, const float *pd, const float *ps, __m256 *o) {
+    if (T == 8) IL8_TILE(8);
+    else if (T == 4) IL8_TILE(4);
+    else if (T == 2) IL8_TILE(2);
+    else IL8_TILE(1);
+}
+/* The next group's scales (dg; offsets cg: offs) after one whose pointer is p. */
+static inline const void *il8_next(const void *p, int scl, int64_t nb, int offs) {
+    if (!p) return 0;
+    if (scl == SC_K) return offs ? (const void *)((const uint16_t *)p + nb * 2) : (const void *)((const uint8_t *)p + nb * 16);
+    return scl == SC_F16 && !offs ? (const void *)((const uint16_t *)p + nb * 8) : (const void *)((const float *)p + nb * 8);
+}
 /* Interleaved 4-bit rows [n0, n1) for M tokens of int8 codes (il8_tile). */
 static void il_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, int64_t K, const int8_t *xq,
                     const float *xd, const float *xs, int64_t M, float *y, int64_t ldy, int64_t n0, int64_t n1) {
@@ -1159,26 +1242,47 @@ static void il_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, 
     int32_t *cpk = (int32_t *)(xp + M * K);
     float *pdk = (float *)(cpk + M * nb), *psk = pdk + M * nb;
     il8_pack(xq, xd, xs, M, K, xp + 0, cpk, pdk, psk);
-    for (int64_t g = n0 >> 3; g * 8 < n1; ++g) {
+    for (int64_t g = n0 >> 3, step; g * 8 < n1; g += step) {
         const uint8_t *wg = wq + g * nb * 128;
         const void *dg = scl == SC_K ? (const void *)((const uint8_t *)wd + g * nb * 16)
                          : scl == SC_F16 ? (const void *)((const uint16_t *)wd + g * nb * 8)
                          : (const void *)((const float *)wd + g * nb * 8);
         const void *cg = !wc ? 0 : scl == SC_K ? (const void *)((const uint16_t *)wc + g * nb * 2)
                          : (const void *)((const float *)wc + g * nb * 8);
+        /* two groups at a time in 512-bit registers where both are this share's, for runs of 8 */
+        const int pair = HAS_IL8Z && (g + 1) * 8 < n1;
+        step = pair ? 2 : 1;
         for (int64_t t0 = 0, T; t0 < M; t0 += T) {
             T = M - t0 >= 8 ? 8 : M - t0 >= 4 ? 4 : M - t0 >= 2 ? 2 : 1;
             const int8_t *xp_ = xp + t0 * K;
             const int32_t *cp = cpk + t0 * nb;
             const float *pd = pdk + t0 * nb, *ps = psk + t0 * nb;
-            __m256 o[8];
-            {
-                const int8_t *xp = xp_;
-                if (T == 8) IL8_TILE(8);
-                else if (T == 4) IL8_TILE(4);
-                else if (T == 2) IL8_TILE(2);
-                else IL8_TILE(1);
+#if HAS_IL8Z
+            if (pair) {
+                __m512 oz[8];
+                if (T == 8) {
+                    if (scl == SC_K) il8z_tile(SC_K, wg, dg, cg, nb, xp_, cp, pd, ps, oz);
+                    else if (scl == SC_F16) il8z_tile(SC_F16, wg, dg, cg, nb, xp_, cp, pd, ps, oz);
+                    else il8z_tile(SC_F32, wg, dg, cg, nb, xp_, cp, pd, ps, oz);
+                } else {  /* the last few tokens: each group as below */
+                    __m256 lo[8], hi[8];
+                    il8_run(T, scl, wg, dg, cg, nb, xp_, cp, pd, ps, lo);
+                    il8_run(T, scl, wg + nb * 128, il8_next(dg, scl, nb, 0), il8_next(cg, scl, nb, 1), nb, xp_, cp, pd, ps,
+                            hi);
+                    for (int t = 0; t < T; ++t)
+                        oz[t] = _mm512_insertf32x8(_mm512_castps256_ps512(lo[t]), hi[t], 1);
+                }
+                for (int t = 0; t < T; ++t) {
+                    float out[16];
+                    _mm512_storeu_ps(out, oz[t]);
+                    for (int i = 0; i < 16; ++i)
+                        if (g * 8 + i >= n0 && g * 8 + i < n1) y[(t0 + t) * ldy + g * 8 + i] = out[i];
+                }
+                continue;
             }
+#endif
+            __m256 o[8];
+            il8_run(T, scl, wg, dg, cg, nb, xp_, cp, pd, ps, o);
             for (int t = 0; t < T; ++t) {
                 float out[8];
                 _mm256_storeu_ps(out, o[t]);
