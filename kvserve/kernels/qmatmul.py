@@ -31,12 +31,15 @@ them, AVX-512VL+VNNI or AVX-VNNI) and a plain C body elsewhere:
     float path's speed at one token on Zen 3, with a relative error of ~2e-5 (int8's is ~5e-3).
   int8 activations ("int8"): each token's 32-value block becomes int8 codes and a scale, as
     llama.cpp's Q8 dot products do; the weight offset uses the block's exact float sum.
-    Fewer instructions per weight; what it costs in perplexity is in BENCHMARKS.md. Used at every
-    batch size once chosen (mixing them by batch size moved the default model's logprobs further
-    from HF's), though from PANEL_FROM tokens the float panel path is faster.
+    Fewer instructions per weight; what it costs in perplexity is in BENCHMARKS.md. On interleaved
+    4-bit rows (below) each block is unpacked once for 8 tokens and, on AVX-512 VNNI, two groups
+    share a 512-bit register: ~1.9x the int16 kernel and ~1.9x a bfloat16 dense matmul at 256
+    tokens (Zen 4), which is why tuning may give prefill-sized batches to it (tuning.PREFILL_INT8)
+    while decode runs int16; as a decode mode it is opt-in (tuning.INT8_ENV).
 `dequantize` writes W as float32 for the dense path (when tuning finds MKL faster).
 
-Interleaved (`relayout`, for weights that run with int16 activations): rows in groups of 8, each
+Interleaved (`relayout`, for weights that run with int16 activations, or 4-bit ones with int8;
+`interleaved_for`): rows in groups of 8, each
 16 bytes of a row (a 4-bit block, half an 8-bit one) 4 chunks of 32 in its group: chunk c's byte
 4 i + j is row i's byte 4 c + j, and the scales / offsets [N / 8, K / 32, 8] likewise (the tensors
 keep their shapes). One broadcast of 4 activations then serves 8 rows, a lane per row: 4-bit codes

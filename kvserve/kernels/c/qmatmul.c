@@ -1241,7 +1241,7 @@ static void il_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, 
     int8_t *xp = (int8_t *)split_scratch((size_t)(M * K + 12 * M * nb));
     int32_t *cpk = (int32_t *)(xp + M * K);
     float *pdk = (float *)(cpk + M * nb), *psk = pdk + M * nb;
-    il8_pack(xq, xd, xs, M, K, xp + 0, cpk, pdk, psk);
+    il8_pack(xq, xd, xs, M, K, xp, cpk, pdk, psk);
     for (int64_t g = n0 >> 3, step; g * 8 < n1; g += step) {
         const uint8_t *wg = wq + g * nb * 128;
         const void *dg = scl == SC_K ? (const void *)((const uint8_t *)wd + g * nb * 16)
@@ -1254,20 +1254,20 @@ static void il_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, 
         step = pair ? 2 : 1;
         for (int64_t t0 = 0, T; t0 < M; t0 += T) {
             T = M - t0 >= 8 ? 8 : M - t0 >= 4 ? 4 : M - t0 >= 2 ? 2 : 1;
-            const int8_t *xp_ = xp + t0 * K;
+            const int8_t *xt = xp + t0 * K;  /* this run's packed codes */
             const int32_t *cp = cpk + t0 * nb;
             const float *pd = pdk + t0 * nb, *ps = psk + t0 * nb;
 #if HAS_IL8Z
             if (pair) {
                 __m512 oz[8];
                 if (T == 8) {
-                    if (scl == SC_K) il8z_tile(SC_K, wg, dg, cg, nb, xp_, cp, pd, ps, oz);
-                    else if (scl == SC_F16) il8z_tile(SC_F16, wg, dg, cg, nb, xp_, cp, pd, ps, oz);
-                    else il8z_tile(SC_F32, wg, dg, cg, nb, xp_, cp, pd, ps, oz);
+                    if (scl == SC_K) il8z_tile(SC_K, wg, dg, cg, nb, xt, cp, pd, ps, oz);
+                    else if (scl == SC_F16) il8z_tile(SC_F16, wg, dg, cg, nb, xt, cp, pd, ps, oz);
+                    else il8z_tile(SC_F32, wg, dg, cg, nb, xt, cp, pd, ps, oz);
                 } else {  /* the last few tokens: each group as below */
                     __m256 lo[8], hi[8];
-                    il8_run(T, scl, wg, dg, cg, nb, xp_, cp, pd, ps, lo);
-                    il8_run(T, scl, wg + nb * 128, il8_next(dg, scl, nb, 0), il8_next(cg, scl, nb, 1), nb, xp_, cp, pd, ps,
+                    il8_run(T, scl, wg, dg, cg, nb, xt, cp, pd, ps, lo);
+                    il8_run(T, scl, wg + nb * 128, il8_next(dg, scl, nb, 0), il8_next(cg, scl, nb, 1), nb, xt, cp, pd, ps,
                             hi);
                     for (int t = 0; t < T; ++t)
                         oz[t] = _mm512_insertf32x8(_mm512_castps256_ps512(lo[t]), hi[t], 1);
@@ -1282,7 +1282,7 @@ static void il_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, 
             }
 #endif
             __m256 o[8];
-            il8_run(T, scl, wg, dg, cg, nb, xp_, cp, pd, ps, o);
+            il8_run(T, scl, wg, dg, cg, nb, xt, cp, pd, ps, o);
             for (int t = 0; t < T; ++t) {
                 float out[8];
                 _mm256_storeu_ps(out, o[t]);
