@@ -64,7 +64,7 @@ TUNING_ENV = "KVSERVE_KERNEL_TUNING"  # "off": no measuring; float32 activations
 # default model) but they turned the default model's greedy answer to a plain chat question wrong.
 INT8_ENV = "KVSERVE_INT8_ACTIVATIONS"
 # "1": prefill-sized batches may take int8 codes (PREFILL_INT8) where measured faster. Opt-in: with it
-# the default model's greedy chat answer to "What is the capital of France?" turned to nonsense
+# the default model's greedy chat answer to "What is the capital of France?" turned to nonsense.
 PREFILL_INT8_ENV = "KVSERVE_PREFILL_INT8"
 
 

@@ -40,7 +40,7 @@ BF16_PREFILL_ATOL, BF16_PREFILL_TIE = 0.06, 0.12
 INT8_PREFILL_ATOL, INT8_PREFILL_TIE = INT8_ACTIVATIONS_ATOL, INT8_ACTIVATIONS_TIE
 
 
-def bf16_prefill(model: torch.nn.Module, tokens: int, attr: str = "dense_dtype",
+def low_precision_prefill(model: torch.nn.Module, tokens: int, attr: str = "dense_dtype",
                  value: object = torch.bfloat16) -> bool:
     """Whether a step of `tokens` prompt tokens runs some linear in bfloat16 (kernels/tuning.py's
     per-phase choice: dense_from and dense_dtype of each quantized linear), or with attr="prefill_int8",
@@ -80,10 +80,10 @@ def test_default_model_greedy_matches_hf(tuning, monkeypatch, hf_reference):
     int16 = any(getattr(m, "activations", None) == "int16" for m in model.modules())
     if int8:
         assert_greedy_parity(ours, reference, INT8_ACTIVATIONS_ATOL, INT8_ACTIVATIONS_TIE)
-    elif bf16_prefill(model, sum(map(len, prompts)), "prefill_int8", True):
+    elif low_precision_prefill(model, sum(map(len, prompts)), "prefill_int8", True):
         assert tuning != "off"
         assert_greedy_parity(ours, reference, INT8_PREFILL_ATOL, INT8_PREFILL_TIE)
-    elif bf16_prefill(model, sum(map(len, prompts))):  # the 4 prompts are prefilled in one step
+    elif low_precision_prefill(model, sum(map(len, prompts))):  # the 4 prompts are prefilled in one step
         assert tuning != "off"
         assert_greedy_parity(ours, reference, BF16_PREFILL_ATOL, BF16_PREFILL_TIE)
     elif int16:

@@ -549,6 +549,14 @@ static inline void il_unpack_block(const uint8_t *wb, __m256i w[8]) {
         w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
     }
 }
+/* Block b of a group (codes wg [nb][128]) unpacked as il_unpack_block, the bytes PREFETCH_AHEAD
+   past it asked for: what each multi-token kernel does once per block. */
+static inline void il_fetch_block(const uint8_t *wg, int64_t b, __m256i w[8]) {
+    const uint8_t *wb = wg + b * 128;
+    _mm_prefetch((const char *)wb + PREFETCH_AHEAD, _MM_HINT_T0);
+    _mm_prefetch((const char *)wb + PREFETCH_AHEAD + 64, _MM_HINT_T0);
+    il_unpack_block(wb, w);
+}
 static inline __m256i il_block_sum(const uint8_t *wb, const uint8_t *lo, const int8_t *hi) {
     __m256i w[8];
     il_unpack_block(wb, w);
@@ -624,11 +632,8 @@ static void il_group_m(const uint8_t *wg, const void *dg, const int SCL, const f
     __m256 acc[2][IL_TOKENS];
     for (int t = 0; t < T; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t *wb = wg + b * 128;
-        _mm_prefetch((const char *)wb + PREFETCH_AHEAD, _MM_HINT_T0);
-        _mm_prefetch((const char *)wb + PREFETCH_AHEAD + 64, _MM_HINT_T0);
         __m256i w[8];
-        il_unpack_block(wb, w);
+        il_fetch_block(wg, b, w);
         const __m256 d = il_scales(dg, SCL, b);
         __m256 *a = acc[b & 1];
         for (int t = 0; t < T; ++t)
@@ -696,11 +701,8 @@ static void il_group_k_m(const uint8_t *wg, const uint8_t *dg, const uint16_t *c
         for (int t = 0; t < T; ++t) ms[t] = _mm256_setzero_ps();
         for (int64_t j = 0; j < 8; ++j) {
             const int64_t b = s * 8 + j;
-            const uint8_t *wb = wg + b * 128;
-            _mm_prefetch((const char *)wb + PREFETCH_AHEAD, _MM_HINT_T0);
-            _mm_prefetch((const char *)wb + PREFETCH_AHEAD + 64, _MM_HINT_T0);
             __m256i w[8];
-            il_unpack_block(wb, w);
+            il_fetch_block(wg, b, w);
             const __m256 c = k_codes(sc + j * 8), mc = k_codes(m + j * 8);
             __m256 *a = acc[j & 1];
             for (int t = 0; t < T; ++t) {
@@ -715,14 +717,13 @@ static void il_group_k_m(const uint8_t *wg, const uint8_t *dg, const uint16_t *c
 }
 /* 4-bit interleaved weights against int8 codes (a prefill's activations; decode's where int8 is
    chosen), T tokens (1, 2, 4 or 8: a constant, so the accumulators stay in registers) packed block
-   by block: codes xp [nb][T][32], their sums cp, scales xd and exact sums xs [nb][T] (one pointer
-   walks every token's block). Per token and row: sum over blocks of d xd (sum(q x) - 8 cs), even
-   and odd blocks in two accumulators, then the offsets c xs; factored scales (SC_K) the same with
-   d = D sc and the offsets' codes, the nibbles centred as in the other scales (uncentred, an int8
-   rounding error of x would be weighted by a code up to 15, not 8): one coefficient per block,
-   Dm m + 8 D sc, against the exact sum xs. Each token's operations do not depend on T (batch-
-   invariant). Per block and token: 8 dpbusd, half the int16 codes' 16 (two bytes per activation):
-   at 256 tokens of the 1.1B shapes ~1.3x a bfloat16 dense matmul on AVX512-BF16 (BENCHMARKS.md). */
+   by block: codes xp [nb][T][32], 8 x their sums cp, scales xd and exact sums xs [nb][T] (one
+   pointer walks every token's block). Per token and row, one accumulator over the blocks: d xd
+   (sum(q x) - 8 cs), then the block's offset coefficient e against the exact sum xs (e = c, or
+   for factored scales (SC_K) d = D sc and e = Dm m + 8 D sc: the nibbles centred as in the other
+   scales; uncentred, an int8 rounding error of x would be weighted by a code up to 15, not 8).
+   Each token's operations do not depend on T (batch-invariant). Per block and token: 8 dpbusd,
+   half the int16 codes' 16 (two bytes per activation). */
 /* Token t's share of block b (i: its place in the packed run) into acc. */
 #define IL8_TOKEN(t, acc) if (T > t) { \
         const int64_t i = b * T + t; \
@@ -735,11 +736,8 @@ static inline __attribute__((always_inline)) void il8_tile(
     /* eight named accumulators: an array of them stayed in memory (GCC 12) */
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t *wb = wg + b * 128;
-        _mm_prefetch((const char *)wb + PREFETCH_AHEAD, _MM_HINT_T0);
-        _mm_prefetch((const char *)wb + PREFETCH_AHEAD + 64, _MM_HINT_T0);
         __m256i w[8];
-        il_unpack_block(wb, w);
+        il_fetch_block(wg, b, w);
         __m256 d, e = _mm256_setzero_ps();
         if (SCL == SC_K) {  /* factored: codes [nb / 8][sc 8, m 8][8 rows], factors [nb / 8][D, Dm][8 rows] */
             const uint16_t *f = (const uint16_t *)cg + b / 8 * 16;
@@ -857,7 +855,8 @@ static void il8_group_m(const uint8_t *wg, const void *dg, const int SCL, const 
 }
 #endif
 
-/* A per-thread byte buffer kept between calls: il_int16's split codes, il_int8's packed ones, or il_chunk's row-major copies. */
+/* A per-thread byte buffer kept between calls: il_int16's split codes, il_int8's packed ones, or
+   il_chunk's row-major copies. */
 static uint8_t *split_scratch(size_t n) {
     static __thread uint8_t *buf;
     static __thread size_t cap;
@@ -1228,11 +1227,14 @@ static void il8_run(int64_t T, int scl, const uint8_t *wg, const void *dg, const
     else if (T == 2) IL8_TILE(2);
     else IL8_TILE(1);
 }
-/* The next group's scales (dg; offsets cg: offs) after one whose pointer is p. */
-static inline const void *il8_next(const void *p, int scl, int64_t nb, int offs) {
-    if (!p) return 0;
-    if (scl == SC_K) return offs ? (const void *)((const uint16_t *)p + nb * 2) : (const void *)((const uint8_t *)p + nb * 16);
-    return scl == SC_F16 && !offs ? (const void *)((const uint16_t *)p + nb * 8) : (const void *)((const float *)p + nb * 8);
+/* Group g's scales *dg and offsets *cg (NULL without offsets) as stored (scl). */
+static inline void il_group_scales(const void *wd, const void *wc, int scl, int64_t g, int64_t nb, const void **dg,
+                                   const void **cg) {
+    *dg = scl == SC_K ? (const void *)((const uint8_t *)wd + g * nb * 16)
+          : scl == SC_F16 ? (const void *)((const uint16_t *)wd + g * nb * 8)
+          : (const void *)((const float *)wd + g * nb * 8);
+    *cg = !wc ? 0 : scl == SC_K ? (const void *)((const uint16_t *)wc + g * nb * 2)
+          : (const void *)((const float *)wc + g * nb * 8);
 }
 /* Interleaved 4-bit rows [n0, n1) for M tokens of int8 codes (il8_tile). */
 static void il_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, int64_t K, const int8_t *xq,
@@ -1244,11 +1246,8 @@ static void il_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, 
     il8_pack(xq, xd, xs, M, K, xp, cpk, pdk, psk);
     for (int64_t g = n0 >> 3, step; g * 8 < n1; g += step) {
         const uint8_t *wg = wq + g * nb * 128;
-        const void *dg = scl == SC_K ? (const void *)((const uint8_t *)wd + g * nb * 16)
-                         : scl == SC_F16 ? (const void *)((const uint16_t *)wd + g * nb * 8)
-                         : (const void *)((const float *)wd + g * nb * 8);
-        const void *cg = !wc ? 0 : scl == SC_K ? (const void *)((const uint16_t *)wc + g * nb * 2)
-                         : (const void *)((const float *)wc + g * nb * 8);
+        const void *dg, *cg;
+        il_group_scales(wd, wc, scl, g, nb, &dg, &cg);
         /* two groups at a time in 512-bit registers where both are this share's, for runs of 8 */
         const int pair = HAS_IL8Z && (g + 1) * 8 < n1;
         step = pair ? 2 : 1;
@@ -1266,9 +1265,10 @@ static void il_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, 
                     else il8z_tile(SC_F32, wg, dg, cg, nb, xt, cp, pd, ps, oz);
                 } else {  /* the last few tokens: each group as below */
                     __m256 lo[8], hi[8];
+                    const void *dg2, *cg2;
+                    il_group_scales(wd, wc, scl, g + 1, nb, &dg2, &cg2);
                     il8_run(T, scl, wg, dg, cg, nb, xt, cp, pd, ps, lo);
-                    il8_run(T, scl, wg + nb * 128, il8_next(dg, scl, nb, 0), il8_next(cg, scl, nb, 1), nb, xt, cp, pd, ps,
-                            hi);
+                    il8_run(T, scl, wg + nb * 128, dg2, cg2, nb, xt, cp, pd, ps, hi);
                     for (int t = 0; t < T; ++t)
                         oz[t] = _mm512_insertf32x8(_mm512_castps256_ps512(lo[t]), hi[t], 1);
                 }
@@ -1311,11 +1311,8 @@ static void il_int16(int bits, const uint8_t *wq, const void *wd, int scl, const
     }
     for (int64_t g = n0 >> 3; g * 8 < n1; ++g) {
         const uint8_t *wg = wq + g * nb * (bits == 8 ? 256 : 128);
-        const void *dg = scl == SC_K ? (const void *)((const uint8_t *)wd + g * nb * 16)
-                         : scl == SC_F16 ? (const void *)((const uint16_t *)wd + g * nb * 8)
-                         : (const void *)((const float *)wd + g * nb * 8);
-        const void *cg = !wc ? 0 : scl == SC_K ? (const void *)((const uint16_t *)wc + g * nb * 2)
-                         : (const void *)((const float *)wc + g * nb * 8);
+        const void *dg, *cg;
+        il_group_scales(wd, wc, scl, g, nb, &dg, &cg);
         for (int64_t t0 = 0; t0 < M; t0 += IL_TOKENS) {
             const int T = M - t0 < IL_TOKENS ? (int)(M - t0) : IL_TOKENS;
             const uint8_t *l = lo ? lo + t0 * K : 0;
