@@ -56,7 +56,7 @@ CONFIGS = {
     "f32": ({"dtype": "float32"}, {}),
     "bf16": ({"dtype": "bfloat16"}, {}),
     "int8-activations": ({}, {"KVSERVE_INT8_ACTIVATIONS": "1"}),
-    "prefill-int8": ({}, {"KVSERVE_PREFILL_INT8": "1"}),
+    "no-prefill-int8": ({}, {"KVSERVE_PREFILL_INT8": "0"}),
     "tuning-off": ({}, {"KVSERVE_KERNEL_TUNING": "off"}),
     "no-decode-stack": ({}, {"KVSERVE_DECODE_STACK": "0"}),
     "none-f32": ({"quantization": "none", "dtype": "float32"}, {}),

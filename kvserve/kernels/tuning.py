@@ -15,7 +15,7 @@ linears' key also holds the kernels' source, so a changed kernel is measured aga
   bfloat16 (`dense_dtype`), so decode and prefill each get their own measured choice; or, for
   4-bit weights whose decode runs int16 codes, whether prefill-sized batches run the kernel with
   int8 codes instead (`dense_dtype` 'int8': half the products' instructions of int16, and no
-  dequantized copy; opt-in with KVSERVE_PREFILL_INT8=1).
+  dequantized copy; KVSERVE_PREFILL_INT8=0 turns it off).
 
 One noisy run must not decide for every later start: the candidates are timed interleaved over
 rounds and the cached entries re-checked at start (evidence.py). And a choice against the CPU's
@@ -63,8 +63,7 @@ TUNING_ENV = "KVSERVE_KERNEL_TUNING"  # "off": no measuring; float32 activations
 # "1": int8 activations are a candidate. Off by default: within perplexity bounds (+0.35% on the
 # default model) but they turned the default model's greedy answer to a plain chat question wrong.
 INT8_ENV = "KVSERVE_INT8_ACTIVATIONS"
-# "1": prefill-sized batches may take int8 codes (PREFILL_INT8) where measured faster. Opt-in: with it
-# the default model's greedy chat answer to "What is the capital of France?" turned to nonsense.
+# "0": prefill-sized batches never take int8 codes (PREFILL_INT8); by default they do where measured faster
 PREFILL_INT8_ENV = "KVSERVE_PREFILL_INT8"
 
 
@@ -73,7 +72,7 @@ def int8_allowed() -> bool:
 
 
 def prefill_int8_allowed() -> bool:
-    return os.environ.get(PREFILL_INT8_ENV, "0") == "1"
+    return os.environ.get(PREFILL_INT8_ENV, "1").lower() not in ("0", "off")
 
 
 def enabled() -> bool:

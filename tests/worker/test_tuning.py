@@ -485,7 +485,6 @@ def test_int8_codes_take_prefill_where_they_win_with_a_margin():
 
 def test_tune_linears_sets_int8_prefill_and_the_module_runs_it(cache, monkeypatch, caplog):
     set_flags(monkeypatch, bf16=False)
-    monkeypatch.setenv(tuning.PREFILL_INT8_ENV, "1")
     use_clock(monkeypatch, linear_clock(int16=5e-6, prefill_int8=1e-6))
     model = two_linears()
     with caplog.at_level("INFO", logger=LOGGER):
