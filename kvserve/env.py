@@ -130,7 +130,7 @@ def _tuning_file(path: Path) -> dict[str, Any]:
             rows = (str(tuning.DECODE_ROWS), str(tuning.PREFILL_ROWS))
             entry["seconds"] = {name: {r: float(t[r]) for r in rows} for name, t in times.items()}
             entry["chosen"] = tuning.pick_dtype(times, cpu.cpu_flags())
-        elif kind == "linears":
+        elif kind in ("linears", "kquant"):  # K-quant linears: one kernel, "int16" in the modes' place
             # The file does not say how many linears share a shape: count each once.
             chosen = tuning.choose(times, {shape: 1 for shape in times}, flags=cpu.cpu_flags())
             entry["activations"] = chosen["activations"]
@@ -216,7 +216,9 @@ def _tuning_line(entry: dict[str, Any]) -> str:
         dd = entry["dense_dtype"]
         dense = ", ".join(f"{s} {'never' if v is None else v}" + (f" in {dd[s]}" if dd.get(s) else "")
                           for s, v in entry["dense_from"].items())
-        line = f"{entry['activations']} activations (each shape counted once); dense from rows: {dense}"
+        what = "K-quant kernel" if entry["kind"] == "kquant" else \
+            f"{entry['activations']} activations (each shape counted once)"
+        line = f"{what}; dense from rows: {dense}"
     else:
         return entry["kind"]
     made = entry["made"]

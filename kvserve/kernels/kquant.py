@@ -5,8 +5,8 @@ A weight is a `KqMatrix`: up to MAX_PARTS parts of consecutive output rows, each
 (Q5_K beside Q6_K) is one matrix. (The loader hands Q4_K to qmatmul's blocks instead, which read it
 about twice as fast, and stacks the two kernels where a fused linear mixes Q4_K with Q5_K / Q6_K:
 kvserve.quant.linear.StackedLinear.) `matmul` quantizes the activations to int16
-per 32-value block and multiplies in C (decode-sized batches); `dequantize` writes W as float32 for
-the caller's F.linear (prefill-sized batches, where the matmul is compute-bound).
+per 32-value block and multiplies in C (decode-sized batches); `dequantize` writes W as float32 or
+bfloat16 for the caller's F.linear (prefill-sized batches, where the matmul is compute-bound).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ MAX_PARTS = 4
 _vp, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "kq_linear": [_vp, _i64, _vp, _i64, _i64, _vp, _i64, _int],
-    "kq_dequantize": [_vp, _vp, _int],
+    "kq_dequantize": [_vp, _vp, _int, _int],
 }
 
 
@@ -98,14 +98,18 @@ def matmul(x: torch.Tensor, m: KqMatrix) -> torch.Tensor:
     return y
 
 
-def dequantize(m: KqMatrix, reuse: bool = False) -> torch.Tensor:
-    """W [N, K] float32 (reuse: into this thread's scratch buffer, as qmatmul.dequantize)."""
+def dequantize(m: KqMatrix, dtype: torch.dtype = torch.float32, reuse: bool = False) -> torch.Tensor:
+    """W [N, K] in `dtype`: float32, or bfloat16 written directly (each float32 value rounded to
+    nearest even, as `.bfloat16()` would), other dtypes converted from float32. reuse: into this
+    thread's scratch buffer, as qmatmul.dequantize."""
     lib = load()
     assert lib is not None
     n = num_rows(m)
-    out = qmatmul.scratch(n * m.k, torch.float32).view(n, m.k) if reuse else torch.empty(n, m.k)
-    lib.kq_dequantize(ctypes.addressof(m), out.data_ptr(), torch.get_num_threads())
-    return out
+    bf16 = dtype == torch.bfloat16
+    kind = torch.bfloat16 if bf16 else torch.float32
+    out = qmatmul.scratch(n * m.k, kind).view(n, m.k) if reuse else torch.empty(n, m.k, dtype=kind)
+    lib.kq_dequantize(ctypes.addressof(m), out.data_ptr(), int(bf16), torch.get_num_threads())
+    return out.to(dtype)
 
 
 def reference(qtype: int, rows: torch.Tensor) -> torch.Tensor:

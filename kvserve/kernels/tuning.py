@@ -1,8 +1,8 @@
 """Choose dtype and linear kernels by measuring them on this machine, on the model's own shapes.
 
-Two decisions, each cached as JSON under `<cache_dir>/tuning/` keyed by the CPU (model name and
+Three decisions, each cached as JSON under `<cache_dir>/tuning/` keyed by the CPU (model name and
 flags), the C kernels' ISA level, the torch version, the threads and the shapes measured (the
-linears' key also holds the kernels' source, so a changed kernel is measured again):
+linears' keys also hold the kernels' source, so a changed kernel is measured again):
 
 - `choose_dtype` (before the model is built, for `--dtype auto` on a CPU): float32 or bfloat16
   (float16 too where the CPU computes it natively), by the time of a dense linear of the model's
@@ -16,6 +16,8 @@ linears' key also holds the kernels' source, so a changed kernel is measured aga
   4-bit weights whose decode runs int16 codes, whether prefill-sized batches run the kernel with
   int8 codes instead (`dense_dtype` 'int8': half the products' instructions of int16, and no
   dequantized copy; KVSERVE_PREFILL_INT8=0 turns it off).
+- `tune_kquant_linears` (for linears over raw GGUF K-quant rows): the same `dense_from` and
+  `dense_dtype` by the same rule, the K-quant kernel in the place of the activation modes.
 
 One noisy run must not decide for every later start: the candidates are timed interleaved over
 rounds and the cached entries re-checked at start (evidence.py). And a choice against the CPU's
@@ -37,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels import build, cpu, qmatmul
+from kvserve.kernels import build, cpu, kquant, qmatmul
 from kvserve.kernels.evidence import SpotPair, decide, entry_noise, spot_check, time_interleaved
 
 logger = logging.getLogger(__name__)
@@ -270,10 +272,10 @@ def _linear_paths(m: nn.Module, dtype: torch.dtype, bf16: bool) -> dict[str, Cal
     return paths
 
 
-def _measure_shape(m: nn.Module, key: str, dtype: torch.dtype, bf16: bool, flags: frozenset[str]) -> tuple[dict, dict]:
-    """times[path][rows] and noise[path][rows] of one weight shape: the kernel at DECODE_ROWS and
-    GRID, the dense paths at GRID, interleaved per batch size."""
-    paths = _linear_paths(m, dtype, bf16)
+def _measure_shape(paths: dict[str, Callable[[int], object]], key: str, flags: frozenset[str]) -> tuple[dict, dict]:
+    """times[path][rows] and noise[path][rows] of one weight shape (paths: _linear_paths or
+    _kquant_paths): the kernel at DECODE_ROWS and GRID, the dense paths at GRID, interleaved per
+    batch size."""
     times: dict[str, dict[str, float]] = {p: {} for p in paths}
     noise: dict[str, dict[str, float]] = {p: {} for p in paths}
     for rows in (DECODE_ROWS, *GRID):
@@ -292,13 +294,13 @@ def _pair(key: str, t: dict, paths: dict[str, Callable[[int], object]], rows: in
     return (f"{key}/{rows}", a, lambda: paths[a](rows), b, lambda: paths[b](rows), t[a][str(rows)] / t[b][str(rows)])
 
 
-def _spot_pairs(times: dict, chosen: dict, by_shape: dict[str, nn.Module], dtype: torch.dtype,
-                bf16: bool) -> list[SpotPair]:
+def _spot_pairs(times: dict, chosen: dict, paths_of: Callable[[str], dict[str, Callable[[int], object]]],
+                shapes: list[str]) -> list[SpotPair]:
     """Per shape, the chosen path against the runner-up where the choice changes (at dense_from, or
     at the largest batch when the kernel always wins), and the two dense dtypes at PREFILL_ROWS."""
     pairs: list[SpotPair] = []
-    for key, m in by_shape.items():
-        t, paths = times[key], _linear_paths(m, dtype, bf16)
+    for key in shapes:
+        t, paths = times[key], paths_of(key)
         dense = {None: "dense", "bfloat16": "dense_bf16", "int8": PREFILL_INT8}[chosen["dense_dtype"][key]]
         act = chosen["activations"]
         r = chosen["dense_from"][key]
@@ -308,6 +310,24 @@ def _spot_pairs(times: dict, chosen: dict, by_shape: dict[str, nn.Module], dtype
         if dense == PREFILL_INT8 and "dense_bf16" not in t:
             pairs.append(_pair(key, t, paths, PREFILL_ROWS, dense, "dense"))
     return pairs
+
+
+def _decide_shapes(kind: str, shapes: list[str], paths_of: Callable[[str], dict[str, Callable[[int], object]]],
+                   rule: Callable[[dict], dict], kernel_source: str, dtype: torch.dtype,
+                   flags: frozenset[str]) -> tuple[dict, str]:
+    """evidence.decide for the linears' shapes: the cached times if fresh and their spot check
+    agrees with `rule`'s choice, else each shape's paths measured. The kernels' source is part of
+    the key: a changed kernel is measured again."""
+    def measure() -> dict:
+        measured = {k: _measure_shape(paths_of(k), k, flags) for k in shapes}
+        return {"times": {k: v[0] for k, v in measured.items()}, "noise": {k: v[1] for k, v in measured.items()},
+                "source": source}
+
+    def spot(entry: dict) -> str | None:
+        return spot_check(_spot_pairs(entry["times"], rule(entry["times"]), paths_of, shapes))
+
+    source = build.source_digest(kernel_source)
+    return decide(kind, [shapes, str(dtype), source], measure, spot)
 
 
 def tune_linears(model: nn.Module, dtype: torch.dtype, allow_int8: bool | None = None) -> dict | None:
@@ -327,20 +347,13 @@ def tune_linears(model: nn.Module, dtype: torch.dtype, allow_int8: bool | None =
         by_shape.setdefault(_shape_key(m), m)
         counts[_shape_key(m)] = counts.get(_shape_key(m), 0) + 1
 
-    def measure() -> dict:
-        measured = {k: _measure_shape(m, k, dtype, bf16, flags) for k, m in by_shape.items()}
-        return {"times": {k: v[0] for k, v in measured.items()}, "noise": {k: v[1] for k, v in measured.items()},
-                "source": source}
+    def rule(times: dict) -> dict:
+        return choose(times, counts, allow, flags, allow_prefill)
 
-    def spot(entry: dict) -> str | None:
-        return spot_check(_spot_pairs(entry["times"], choose(entry["times"], counts, allow, flags, allow_prefill),
-                                      by_shape, dtype, bf16))
-
-    # the kernels' source is part of the key: a changed kernel is measured again
-    source = build.source_digest("qmatmul.c")
-    entry, how = decide("linears", [sorted(by_shape), str(dtype), source], measure, spot)
+    entry, how = _decide_shapes("linears", sorted(by_shape), lambda k: _linear_paths(by_shape[k], dtype, bf16),
+                                rule, "qmatmul.c", dtype, flags)
     times = entry["times"]
-    chosen = choose(times, counts, allow, flags, allow_prefill)
+    chosen = rule(times)
     for m in mods:
         key = _shape_key(m)
         m.activations, m.dense_from = chosen["activations"], chosen["dense_from"][key]
@@ -352,6 +365,60 @@ def tune_linears(model: nn.Module, dtype: torch.dtype, allow_int8: bool | None =
     logger.info("linears: %d quantized (%s; rounds spread %.0f%%); %s activations (all linears at 1 row: %s); "
                 "dense from rows: %s", len(mods), how, 100 * entry_noise(entry), chosen["activations"],
                 ", ".join(f"{mode} {t * 1e3:.2f} ms" for mode, t in t1.items()),
+                ", ".join(f"{s} {'never' if v == NEVER else v} in {chosen['dense_dtype'][s] or dtype_name(dtype)}"
+                          for s, v in chosen["dense_from"].items()))
+    return chosen
+
+
+def _kquant_key(m: nn.Module) -> str:
+    names = {kquant.Q4_K: "Q4_K", kquant.Q5_K: "Q5_K", kquant.Q6_K: "Q6_K"}
+    return f"{m.out_features}x{m.in_features}:{'+'.join(names[q] for q in m.qtypes)}"
+
+
+def _kquant_paths(m: nn.Module, dtype: torch.dtype, bf16: bool) -> dict[str, Callable[[int], object]]:
+    """path -> fn(rows) as a KQuantLinear runs it: its kernel (int16 codes, named as that mode, so
+    `choose` reads it as the activations) and the dense matmul after dequantizing, in the model's
+    dtype and, where measured, in bfloat16."""
+    mat = m.matrix()
+    x = torch.randn(GRID[-1], m.in_features, generator=torch.Generator().manual_seed(0))
+    xd = x.to(dtype)
+    paths: dict[str, Callable[[int], object]] = {
+        "int16": lambda r: kquant.matmul(x[:r], mat),
+        "dense": lambda r: F.linear(xd[:r], kquant.dequantize(mat, dtype, reuse=True))}
+    if bf16:
+        paths["dense_bf16"] = lambda r: F.linear(xd[:r].bfloat16(),
+                                                 kquant.dequantize(mat, torch.bfloat16, reuse=True)).to(dtype)
+    return paths
+
+
+def tune_kquant_linears(model: nn.Module, dtype: torch.dtype) -> dict | None:
+    """Measure and set each K-quant linear's (KQuantLinear, raw GGUF Q4_K / Q5_K / Q6_K rows)
+    `dense_from` and `dense_dtype` by `choose`'s rule: from which batch size the dense matmul beats
+    the kernel, and whether it runs on the CPU's bfloat16 units (a Q4_K_M file's Q6_K ffn_down:
+    float32 dense is a third of bfloat16's speed on AVX512-BF16). None if there are none."""
+    mods = [m for m in model.modules() if getattr(m, "path", None) == "kquant"]
+    if not mods or not enabled() or kquant.load() is None:
+        return None
+    flags = cpu.cpu_flags()
+    bf16 = dtype == torch.float32 and native("bfloat16", flags)
+    by_shape: dict[str, nn.Module] = {}
+    for m in mods:
+        by_shape.setdefault(_kquant_key(m), m)
+    counts = {k: 1 for k in by_shape}  # one kernel: nothing to weigh across shapes
+
+    def rule(times: dict) -> dict:
+        return choose(times, counts, flags=flags)
+
+    entry, how = _decide_shapes("kquant", sorted(by_shape), lambda k: _kquant_paths(by_shape[k], dtype, bf16),
+                                rule, "kquant.c", dtype, flags)
+    chosen = rule(entry["times"])
+    for m in mods:
+        key = _kquant_key(m)
+        m.dense_from = chosen["dense_from"][key]
+        dd = chosen["dense_dtype"][key]
+        m.dense_dtype = getattr(torch, dd) if dd else None
+    logger.info("K-quant linears: %d (%s; rounds spread %.0f%%); dense from rows: %s", len(mods), how,
+                100 * entry_noise(entry),
                 ", ".join(f"{s} {'never' if v == NEVER else v} in {chosen['dense_dtype'][s] or dtype_name(dtype)}"
                           for s, v in chosen["dense_from"].items()))
     return chosen

@@ -60,6 +60,7 @@ class Worker:
         m = config.model
         self.loaded = load_model(m.model, m.dtype, config.device, m.quantization, parallel)
         tuning.tune_linears(self.loaded.model, self.loaded.dtype)
+        tuning.tune_kquant_linears(self.loaded.model, self.loaded.dtype)
         self.runner = ModelRunner(self.loaded.model, self.loaded.hf_config, self.loaded.dtype, num_blocks,
                                   config.cache.block_size, config.device, config.cache.kv_cache_dtype,
                                   kv_calibration_ids, parallel, m.attention_backend)
@@ -90,6 +91,7 @@ class Worker:
         if quantization in ("int4", "int8"):  # rounded at load: the LM head too, or it costs the draft most
             quantize_lm_head(draft.model, quantization, draft.dtype, config.device)
         tuning.tune_linears(draft.model, draft.dtype)
+        tuning.tune_kquant_linears(draft.model, draft.dtype)
         set_attention_backend(draft.model, runner.attention_backend)
         shares_kv = spec.method == "self_quantized"
         if shares_kv:

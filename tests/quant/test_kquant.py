@@ -67,6 +67,8 @@ def check_kquant() -> list[str]:
         # one fused multiply-add at most apart from gguf's (d sc) q - dmin m
         if not torch.allclose(kquant.dequantize(m), ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max())):
             bad.append(f"dequantize {qtype.name}")
+        if not torch.equal(kquant.dequantize(m, torch.bfloat16), kquant.dequantize(m).bfloat16()):
+            bad.append(f"dequantize {qtype.name} to bfloat16")
         for rows in (1, 2, 3, 5, 9, 40):
             x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
             rel = _rel(kquant.matmul(x, m), x.double() @ ref.double().T)

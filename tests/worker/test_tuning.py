@@ -503,6 +503,50 @@ def test_tune_linears_sets_int8_prefill_and_the_module_runs_it(cache, monkeypatc
     assert not model[0].prefill_int8
 
 
+def kquant_linear(rows: int = 64, k: int = 256):
+    """A KQuantLinear over random Q6_K rows (a Q4_K_M file's ffn_down and attn_v kind)."""
+    import gguf
+
+    from kvserve.quant import gguf as qgguf
+    from kvserve.quant.kquant_linear import KQuantLinear
+    from tests.quant.test_kquant import kquant_rows
+
+    raw = kquant_rows(gguf.GGMLQuantizationType.Q6_K, rows, k, seed=5)
+    return KQuantLinear(qgguf.kquant_weight(torch.from_numpy(raw), int(gguf.GGMLQuantizationType.Q6_K), "w"),
+                        None, torch.float32)
+
+
+def test_kquant_linears_take_bf16_dense_prefill_by_the_same_rule(cache, monkeypatch, caplog):
+    """A Q4_K_M file's Q6_K linears (read in place by kquant.c) get dense_from and dense_dtype by
+    `choose`'s rule, their kernel timed as the mode 'int16': bfloat16 dense where the CPU has bf16
+    units and it wins, the model's dtype elsewhere; the module then runs what was chosen."""
+    from kvserve.kernels import kquant
+
+    set_flags(monkeypatch, bf16=True)
+    clock = use_clock(monkeypatch, linear_clock(int16=1e-5))  # dense float32 from 32 rows, bfloat16 from 16
+    model = torch.nn.Sequential(kquant_linear(), kquant_linear())
+    with caplog.at_level("INFO", logger=LOGGER):
+        chosen = tuning.tune_kquant_linears(model, torch.float32)
+    assert chosen["dense_dtype"] == {"64x256:Q6_K": "bfloat16"} and chosen["dense_from"] == {"64x256:Q6_K": 16}
+    assert clock.count["dense_bf16@64x256:Q6_K/256"] == evidence.ROUNDS and "int16@64x256:Q6_K/1" in clock.count
+    assert "K-quant linears: 2 (measured: nothing cached" in caplog.text and "64x256:Q6_K 16 in bfloat16" in caplog.text
+    m = model[0]
+    assert (m.dense_from, m.dense_dtype) == (16, torch.bfloat16)
+    w = kquant.dequantize(m.matrix())
+    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(3))
+    y = m(x)
+    assert y.dtype == torch.float32
+    assert torch.equal(y, F.linear(x.bfloat16(), w.bfloat16()).float())  # the weight rounded once, as .bfloat16()
+    assert torch.equal(m(x[:15]), kquant.matmul(x[:15], m.matrix()))  # decode-sized: the kernel
+    # no bf16 units: bfloat16 is not even measured, the float32 dense path from 32 rows
+    set_flags(monkeypatch, bf16=False)
+    clock = use_clock(monkeypatch, linear_clock(int16=1e-5))
+    chosen = tuning.tune_kquant_linears(model, torch.float32)
+    assert chosen["dense_dtype"] == {"64x256:Q6_K": None} and chosen["dense_from"] == {"64x256:Q6_K": 32}
+    assert not any(label.startswith("dense_bf16") for label in clock.calls) and model[1].dense_dtype is None
+    assert tuning.tune_kquant_linears(two_linears(), torch.float32) is None  # no K-quant linears
+
+
 # ---- what `kvserve env` shows ------------------------------------------------------------------
 
 def test_env_shows_each_decision_with_its_evidence(cache, monkeypatch):

@@ -1,7 +1,8 @@
 /* Helpers every kernel source includes (the decode stack compiles several sources as one unit,
    hence the include guard): e^x that `omp simd` loops vectorize (libm's expf is one call per
-   element, most of the time of a softmax or SiLU), an AVX2 horizontal sum, and two int16 dot
-   products summed (VNNI where it exists). */
+   element, most of the time of a softmax or SiLU), an AVX2 horizontal sum, two int16 dot
+   products summed (VNNI where it exists), and float32 -> bfloat16 as torch rounds it (the dense
+   prefill paths' weights, dequantized straight into bfloat16). */
 #ifndef KVSERVE_COMMON_H
 #define KVSERVE_COMMON_H
 #include <math.h>
@@ -27,7 +28,23 @@ static inline __m256i madd2_epi16(__m256i a0, __m256i x0, __m256i a1, __m256i x1
     return _mm256_add_epi32(_mm256_madd_epi16(a0, x0), _mm256_madd_epi16(a1, x1));
 #endif
 }
+/* float_to_bf16 of 8 floats at once. */
+static inline __m128i bf16x8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
 #endif
+/* float32 -> bfloat16 bits, rounded to nearest even as torch's conversion rounds (NaN: 0x7FC0). */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 /* e^x, branch-free: n = round(x log2 e), r = x - n ln 2 in two parts (Cody-Waite), e^r by Cephes'
    degree-7 expf polynomial, times 2^n put into the exponent bits. Relative error ~2e-7 (a few
    float ulps); x is clamped to [-87, 88], so e^x never overflows and tiny results stay normal

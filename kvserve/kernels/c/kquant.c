@@ -477,15 +477,35 @@ static void kq_dequantize_row(int64_t qtype, const uint8_t *row, int64_t K, floa
     }
 }
 
-/* W [N, K] as float32 (the dense path of prefill-sized batches, and embedding rows). */
-void kq_dequantize(const KqMatrix *W, float *w, int nthreads) {
+/* W [N, K] as float32, or bfloat16 when bf16 (each value rounded once from float32, as
+   `.bfloat16()` would: the dense path of prefill-sized batches on bfloat16 units), and embedding
+   rows. */
+void kq_dequantize(const KqMatrix *W, void *w, int bf16, int nthreads) {
     const int64_t K = W->k;
     int64_t first = 0;
     for (int64_t p = 0; p < W->nparts; ++p) {
         const KqPart *P = W->part + p;
         const int64_t row_bytes = K / 256 * kq_block_bytes(P->qtype);
-        #pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t n = 0; n < P->rows; ++n) kq_dequantize_row(P->qtype, P->data + n * row_bytes, K, w + (first + n) * K);
+        #pragma omp parallel num_threads(nthreads)
+        {
+            float *row = bf16 ? (float *)malloc((size_t)K * sizeof(float)) : 0;
+            #pragma omp for schedule(static)
+            for (int64_t n = 0; n < P->rows; ++n) {
+                const uint8_t *src = P->data + n * row_bytes;
+                if (!bf16) {
+                    kq_dequantize_row(P->qtype, src, K, (float *)w + (first + n) * K);
+                    continue;
+                }
+                uint16_t *dst = (uint16_t *)w + (first + n) * K;
+                kq_dequantize_row(P->qtype, src, K, row);
+                int64_t j = 0;
+#if defined(__AVX2__)
+                for (; j + 8 <= K; j += 8) _mm_storeu_si128((__m128i *)(dst + j), bf16x8(_mm256_loadu_ps(row + j)));
+#endif
+                for (; j < K; ++j) dst[j] = float_to_bf16(row[j]);
+            }
+            free(row);
+        }
         first += P->rows;
     }
 }

@@ -1480,25 +1480,6 @@ void qlinear(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_
     free(xs);
 }
 
-/* float32 -> bfloat16 bits, rounded to nearest even as torch's conversion rounds (NaN: 0x7FC0). */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-#if defined(__AVX2__)
-/* float_to_bf16 of 8 floats at once. */
-static inline __m128i bf16x8(__m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-#endif
-
 /* W [N, K] as float32, or bfloat16 when bf16 (bits may carry HALF_SCALES, KSCALES, INTERLEAVED).
    bfloat16 is float32's value rounded once: the same bits as converting the float32 result,
    without writing and reading it (a prefill's dense bfloat16 matmul dequantizes its weight on
