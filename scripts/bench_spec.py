@@ -7,7 +7,8 @@
    The greedy outputs are checked equal.
 2. the same on --sharegpt ShareGPT first turns (chat);
 3. concurrency: --batch ShareGPT prompts at --max-num-seqs, --batch-tokens each (ignore_eos), output
-   tok/s without speculation and with it (adaptive k turns it off at large batches).
+   tok/s without speculation and with it, --batch-rounds pairs alternating (adaptive k turns it off
+   at large batches).
 4. with --llama-python PY (a python with llama_cpp): llama.cpp on the copy-heavy set's token ids,
    the same GGUF, without drafts and with its prompt-lookup decoding (LlamaPromptLookupDecoding).
 
@@ -67,20 +68,27 @@ def single_stream(engines: dict, chats: list, max_tokens: int) -> dict[str, dict
     return res
 
 
-def batch_throughput(spec: dict, n: int, max_num_seqs: int, tokens: int, engine_args: dict) -> dict[str, float]:
+def batch_throughput(spec: dict, n: int, max_num_seqs: int, tokens: int, engine_args: dict,
+                     rounds: int = 2) -> dict:
+    """Output tok/s without speculation and with it, `rounds` times each, alternating off / on
+    with a fresh engine per run (this machine's runs drift by ~15% between minutes, so a single
+    pair says little); on_vs_off is the median of each round's on / off."""
     from kvserve import LLM, SamplingParams
     from kvserve.bench.datasets import load_sharegpt
 
-    out = {}
-    for name, cfg in (("off", None), ("on", spec), ("off again", None), ("on again", spec)):
-        llm = LLM(max_num_seqs=max_num_seqs, speculative_config=cfg, **engine_args)
-        reqs = load_sharegpt(llm.get_tokenizer(), n, max_output_len=tokens)
-        params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-        start = time.perf_counter()
-        res = llm.generate([r.prompt_token_ids for r in reqs], params, use_tqdm=False)
-        out[name] = sum(len(o.outputs[0].token_ids) for o in res) / (time.perf_counter() - start)
-        llm.close()
-    return out
+    runs: dict[str, list[float]] = {"off": [], "on": []}
+    for _ in range(rounds):
+        for name, cfg in (("off", None), ("on", spec)):
+            llm = LLM(max_num_seqs=max_num_seqs, speculative_config=cfg, **engine_args)
+            reqs = load_sharegpt(llm.get_tokenizer(), n, max_output_len=tokens)
+            params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+            start = time.perf_counter()
+            res = llm.generate([r.prompt_token_ids for r in reqs], params, use_tqdm=False)
+            runs[name].append(sum(len(o.outputs[0].token_ids) for o in res) / (time.perf_counter() - start))
+            llm.close()
+    ratios = sorted(on / off for on, off in zip(runs["on"], runs["off"]))
+    return {**runs, "on_vs_off": ratios[len(ratios) // 2] if len(ratios) % 2 else
+            (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2}
 
 
 def llama_cpp_lookup(python: str, model: str, prompts: list[list[int]], max_tokens: int, k: int) -> dict:
@@ -137,6 +145,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64, help="ShareGPT prompts for the concurrency run (0: skip)")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--batch-tokens", type=int, default=128)
+    ap.add_argument("--batch-rounds", type=int, default=2, help="off / on pairs of the concurrency run")
     ap.add_argument("--prompts", type=int, default=50, help="copy-heavy prompts (of 50)")
     ap.add_argument("--engine-args", default="{}", help="LLM keyword arguments (JSON) of the target")
     ap.add_argument("--peer-args", default=None, help="a third engine's LLM arguments (JSON), no speculation")
@@ -179,7 +188,8 @@ def main() -> None:
         llm.close()
     if args.batch:
         print(f"ShareGPT x{args.batch} at max_num_seqs {args.max_num_seqs}, output tok/s:",
-              json.dumps(batch_throughput(spec, args.batch, args.max_num_seqs, args.batch_tokens, engine_args)), flush=True)
+              json.dumps(batch_throughput(spec, args.batch, args.max_num_seqs, args.batch_tokens, engine_args,
+                                         args.batch_rounds)), flush=True)
 
 
 if __name__ == "__main__":
