@@ -293,6 +293,12 @@ def scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return buf[:numel]
 
 
+def release_scratch() -> None:
+    """Drop this thread's scratch buffers (tuning times the dense path of every shape, the LM head's
+    too: its buffers would otherwise stay at that size for the process's life)."""
+    _scratch_of.__dict__.pop("bufs", None)
+
+
 def reference(w: Blocks) -> torch.Tensor:
     """W [N, K] float32 from torch ops alone (tests, and machines without a compiler)."""
     w = relayout(w, False)

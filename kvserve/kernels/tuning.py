@@ -327,7 +327,10 @@ def _decide_shapes(kind: str, shapes: list[str], paths_of: Callable[[str], dict[
         return spot_check(_spot_pairs(entry["times"], rule(entry["times"]), paths_of, shapes))
 
     source = build.source_digest(kernel_source)
-    return decide(kind, [shapes, str(dtype), source], measure, spot)
+    try:
+        return decide(kind, [shapes, str(dtype), source], measure, spot)
+    finally:  # the dense paths' buffers, as large as the largest weight timed (the LM head)
+        qmatmul.release_scratch()
 
 
 def tune_linears(model: nn.Module, dtype: torch.dtype, allow_int8: bool | None = None) -> dict | None:
