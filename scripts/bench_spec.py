@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import time
 
@@ -86,9 +87,7 @@ def batch_throughput(spec: dict, n: int, max_num_seqs: int, tokens: int, engine_
             res = llm.generate([r.prompt_token_ids for r in reqs], params, use_tqdm=False)
             runs[name].append(sum(len(o.outputs[0].token_ids) for o in res) / (time.perf_counter() - start))
             llm.close()
-    ratios = sorted(on / off for on, off in zip(runs["on"], runs["off"]))
-    return {**runs, "on_vs_off": ratios[len(ratios) // 2] if len(ratios) % 2 else
-            (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2}
+    return {**runs, "on_vs_off": statistics.median(on / off for on, off in zip(runs["on"], runs["off"]))}
 
 
 def llama_cpp_lookup(python: str, model: str, prompts: list[list[int]], max_tokens: int, k: int) -> dict:

@@ -367,9 +367,7 @@ def tune_linears(model: nn.Module, dtype: torch.dtype, allow_int8: bool | None =
           for mode in qmatmul.MODES if all(mode in times[s] for s in counts)}
     logger.info("linears: %d quantized (%s; rounds spread %.0f%%); %s activations (all linears at 1 row: %s); "
                 "dense from rows: %s", len(mods), how, 100 * entry_noise(entry), chosen["activations"],
-                ", ".join(f"{mode} {t * 1e3:.2f} ms" for mode, t in t1.items()),
-                ", ".join(f"{s} {'never' if v == NEVER else v} in {chosen['dense_dtype'][s] or dtype_name(dtype)}"
-                          for s, v in chosen["dense_from"].items()))
+                ", ".join(f"{mode} {t * 1e3:.2f} ms" for mode, t in t1.items()), _dense_summary(chosen, dtype))
     return chosen
 
 
@@ -421,10 +419,14 @@ def tune_kquant_linears(model: nn.Module, dtype: torch.dtype) -> dict | None:
         dd = chosen["dense_dtype"][key]
         m.dense_dtype = getattr(torch, dd) if dd else None
     logger.info("K-quant linears: %d (%s; rounds spread %.0f%%); dense from rows: %s", len(mods), how,
-                100 * entry_noise(entry),
-                ", ".join(f"{s} {'never' if v == NEVER else v} in {chosen['dense_dtype'][s] or dtype_name(dtype)}"
-                          for s, v in chosen["dense_from"].items()))
+                100 * entry_noise(entry), _dense_summary(chosen, dtype))
     return chosen
+
+
+def _dense_summary(chosen: dict, dtype: torch.dtype) -> str:
+    """'SHAPE FROM in DTYPE, ...' of a `choose` result, for the log line."""
+    return ", ".join(f"{s} {'never' if v == NEVER else v} in {chosen['dense_dtype'][s] or dtype_name(dtype)}"
+                     for s, v in chosen["dense_from"].items())
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -5,8 +5,8 @@ decode step reads ~4x fewer bytes than a dequantized weight. Below `dense_from` 
 (kvserve/kernels/kquant) multiplies them with int16 activations; from `dense_from` on,
 prefill-sized batches are compute-bound, so the weight is dequantized per call and one F.linear
 runs, in `dense_dtype` (bfloat16 where the CPU has bfloat16 units and tuning found it faster:
-kvserve.kernels.tuning.tune_kquant_linears; None: x's dtype). A fused linear (q/k/v, gate/up) may hold parts of different K-quant types: each is a range of
-output rows. Without the C kernel, or off the CPU, the weight is dequantized once at build instead
+kvserve.kernels.tuning.tune_kquant_linears; None: x's dtype). A fused linear (q/k/v, gate/up) may
+hold parts of different K-quant types: each is a range of output rows. Without the C kernel, or off the CPU, the weight is dequantized once at build instead
 (path "dense"), as the loader did before these types were kept.
 """
 

@@ -1165,6 +1165,10 @@ static inline __m512 il8z_halves(const uint16_t *a, const uint16_t *b) {  /* 8 f
     return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
                                                    _mm_loadu_si128((const __m128i *)b), 1));
 }
+static inline __m512 il8z_floats(const float *a, const float *b) {  /* 8 float32 of each group */
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_loadu_pd((const double *)a)),
+                                               _mm256_loadu_pd((const double *)b), 1));
+}
 static inline __m512 il8z_codes(const uint8_t *a, const uint8_t *b) {  /* 8 byte codes of each group */
     const __m128i v = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
@@ -1206,10 +1210,8 @@ static inline __attribute__((always_inline)) void il8z_tile(
                                 _mm512_mul_ps(d, _mm512_set1_ps(8.f)));
         } else {
             if (SCL == SC_F16) d = il8z_halves((const uint16_t *)dg + b * 8, (const uint16_t *)dg + nb * 8 + b * 8);
-            else d = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_loadu_pd((const double *)((const float *)dg + b * 8))),
-                                                         _mm256_loadu_pd((const double *)((const float *)dg + nb * 8 + b * 8)), 1));
-            if (cg) e = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_loadu_pd((const double *)((const float *)cg + b * 8))),
-                                                            _mm256_loadu_pd((const double *)((const float *)cg + nb * 8 + b * 8)), 1));
+            else d = il8z_floats((const float *)dg + b * 8, (const float *)dg + nb * 8 + b * 8);
+            if (cg) e = il8z_floats((const float *)cg + b * 8, (const float *)cg + nb * 8 + b * 8);
         }
         IL8Z_TOKEN(0, a0) IL8Z_TOKEN(1, a1) IL8Z_TOKEN(2, a2) IL8Z_TOKEN(3, a3)
         IL8Z_TOKEN(4, a4) IL8Z_TOKEN(5, a5) IL8Z_TOKEN(6, a6) IL8Z_TOKEN(7, a7)
@@ -1226,6 +1228,12 @@ static void il8_run(int64_t T, int scl, const uint8_t *wg, const void *dg, const
     else if (T == 4) IL8_TILE(4);
     else if (T == 2) IL8_TILE(2);
     else IL8_TILE(1);
+}
+/* The outputs of group g's rows (lanes: 8, or 16 for groups g and g + 1) that fall in this
+   share [n0, n1) into a token's output row yt (a share may start or end inside a group). */
+static inline void il_store(const float *out, int lanes, int64_t g, int64_t n0, int64_t n1, float *yt) {
+    for (int i = 0; i < lanes; ++i)
+        if (g * 8 + i >= n0 && g * 8 + i < n1) yt[g * 8 + i] = out[i];
 }
 /* Group g's scales *dg and offsets *cg (NULL without offsets) as stored (scl). */
 static inline void il_group_scales(const void *wd, const void *wc, int scl, int64_t g, int64_t nb, const void **dg,
@@ -1275,8 +1283,7 @@ static void il_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, 
                 for (int t = 0; t < T; ++t) {
                     float out[16];
                     _mm512_storeu_ps(out, oz[t]);
-                    for (int i = 0; i < 16; ++i)
-                        if (g * 8 + i >= n0 && g * 8 + i < n1) y[(t0 + t) * ldy + g * 8 + i] = out[i];
+                    il_store(out, 16, g, n0, n1, y + (t0 + t) * ldy);
                 }
                 continue;
             }
@@ -1286,8 +1293,7 @@ static void il_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, 
             for (int t = 0; t < T; ++t) {
                 float out[8];
                 _mm256_storeu_ps(out, o[t]);
-                for (int i = 0; i < 8; ++i)
-                    if (g * 8 + i >= n0 && g * 8 + i < n1) y[(t0 + t) * ldy + g * 8 + i] = out[i];
+                il_store(out, 8, g, n0, n1, y + (t0 + t) * ldy);
             }
         }
     }
@@ -1338,8 +1344,7 @@ static void il_int16(int bits, const uint8_t *wq, const void *wd, int scl, const
             for (int t = 0; t < T; ++t) {
                 float out[8];
                 _mm256_storeu_ps(out, o[t]);
-                for (int i = 0; i < 8; ++i)
-                    if (g * 8 + i >= n0 && g * 8 + i < n1) y[(t0 + t) * ldy + g * 8 + i] = out[i];
+                il_store(out, 8, g, n0, n1, y + (t0 + t) * ldy);
             }
         }
     }
