@@ -5,8 +5,9 @@ A weight is a `KqMatrix`: up to MAX_PARTS parts of consecutive output rows, each
 (Q5_K beside Q6_K) is one matrix. (The loader hands Q4_K to qmatmul's blocks instead, which read it
 about twice as fast, and stacks the two kernels where a fused linear mixes Q4_K with Q5_K / Q6_K:
 kvserve.quant.linear.StackedLinear.) `matmul` quantizes the activations to int16
-per 32-value block and multiplies in C (decode-sized batches); `dequantize` writes W as float32 or
-bfloat16 for the caller's F.linear (prefill-sized batches, where the matmul is compute-bound).
+per 32-value block and multiplies in C (decode-sized batches); for prefill-sized batches, where the
+matmul is compute-bound, `matmul_int8` multiplies int8 activations against the codes, or `dequantize`
+writes W as float32 or bfloat16 for the caller's F.linear (tuning picks per shape).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import ctypes
 
 import torch
 
-from kvserve.kernels import build, layout, qmatmul
+from kvserve.kernels import build, cpu, layout, qmatmul
 
 Q4_K, Q5_K, Q6_K = 12, 13, 14  # GGMLQuantizationType values
 BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}  # per 256 weights
@@ -25,6 +26,7 @@ _vp, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "kq_linear": [_vp, _i64, _vp, _i64, _i64, _vp, _i64, _int],
     "kq_dequantize": [_vp, _vp, _int, _int],
+    "kq_linear_int8": [_vp, _i64, _vp, _i64, _i64, _vp, _i64, _int],
 }
 
 
@@ -55,6 +57,7 @@ def load() -> ctypes.CDLL | None:
         _lib = build.load_library("kquant", "kquant.c", _SIGNATURES)
         if _lib is not None:
             check_layout(_lib)
+            _lib.kq_linear_int8.restype = ctypes.c_int  # 0, or -1: the int8 path does not apply
         _tried = True
     return _lib
 
@@ -84,8 +87,9 @@ def num_rows(m: KqMatrix) -> int:
     return sum(m.part[i].rows for i in range(m.nparts))
 
 
-def matmul(x: torch.Tensor, m: KqMatrix) -> torch.Tensor:
-    """x [M, K] float32 (rows may be strided, elements dense) -> x @ W.T [M, N] float32."""
+def _linear(fn: str, x: torch.Tensor, m: KqMatrix) -> torch.Tensor:
+    """y [M, N] float32 from the C function `fn` (kq_linear's signature) for x [M, K] float32 (rows
+    may be strided, elements dense); a nonzero return raises."""
     if x.stride(1) != 1:
         x = x.contiguous()
     rows, k = x.shape
@@ -93,9 +97,30 @@ def matmul(x: torch.Tensor, m: KqMatrix) -> torch.Tensor:
         raise ValueError(f"x has {k} columns, the weight {m.k}")
     n = num_rows(m)
     y = torch.empty(rows, n)
-    (_lib or load()).kq_linear(ctypes.addressof(m), n, x.data_ptr(), x.stride(0), rows, y.data_ptr(), n,
-                               torch.get_num_threads())
+    if getattr(_lib or load(), fn)(ctypes.addressof(m), n, x.data_ptr(), x.stride(0), rows, y.data_ptr(), n,
+                                   torch.get_num_threads()):
+        raise RuntimeError(f"{fn} does not apply to this weight (int8_applies) or ran out of memory")
     return y
+
+
+def matmul(x: torch.Tensor, m: KqMatrix) -> torch.Tensor:
+    """x [M, K] float32 (rows may be strided, elements dense) -> x @ W.T [M, N] float32."""
+    return _linear("kq_linear", x, m)
+
+
+def int8_applies(m: KqMatrix) -> bool:
+    """Whether `matmul_int8` runs for this weight: an AVX2 (or higher) build, every part's rows a
+    multiple of 8 (the kernel's groups)."""
+    return load() is not None and cpu.isa_level() != "generic" and \
+        all(m.part[i].rows % 8 == 0 for i in range(m.nparts))
+
+
+def matmul_int8(x: torch.Tensor, m: KqMatrix) -> torch.Tensor:
+    """x @ W.T as `matmul`, on int8 activations (per 32 values, as qmatmul's int8 codes) against the
+    weight's codes, 8 rows at a time decoded into an interleaved copy that every token uses (c/kquant.c,
+    kq_linear_int8): prefill-sized batches, where int8 products run at twice bfloat16's rate.
+    Requires int8_applies(m)."""
+    return _linear("kq_linear_int8", x, m)
 
 
 def dequantize(m: KqMatrix, dtype: torch.dtype = torch.float32, reuse: bool = False) -> torch.Tensor:

@@ -17,7 +17,8 @@ linears' keys also hold the kernels' source, so a changed kernel is measured aga
   int8 codes instead (`dense_dtype` 'int8': half the products' instructions of int16, and no
   dequantized copy; KVSERVE_PREFILL_INT8=0 turns it off).
 - `tune_kquant_linears` (for linears over raw GGUF K-quant rows): the same `dense_from` and
-  `dense_dtype` by the same rule, the K-quant kernel in the place of the activation modes.
+  `dense_dtype` by the same rule, the K-quant kernel in the place of the activation modes, int8
+  activations against the K-quant codes (kquant.matmul_int8) as the int8 prefill path.
 
 One noisy run must not decide for every later start: the candidates are timed interleaved over
 rounds and the cached entries re-checked at start (evidence.py). And a choice against the CPU's
@@ -192,7 +193,7 @@ def _dense_dtype(t: dict[str, dict[str, float]], flags: frozenset[str]) -> str |
     return "bfloat16" if rows and bf16 * gain("bfloat16", flags) <= f32 else None
 
 
-PREFILL_INT8 = "prefill_int8"  # the path: the kernel with int8 codes on interleaved 4-bit rows, at GRID rows
+PREFILL_INT8 = "prefill_int8"  # the path: int8 codes (interleaved 4-bit rows, or K-quant rows), at GRID rows
 
 
 def _int8_prefill_from(t: dict[str, dict[str, float]], act: str) -> int | None:
@@ -201,7 +202,8 @@ def _int8_prefill_from(t: dict[str, dict[str, float]], act: str) -> int | None:
     size, int8 is LOWER_PRECISION_GAIN times faster than each float32-class path (the kernel in
     `act`, the dense float32 matmul) and at least as fast as the bfloat16 dense one (both lower
     precision: +0.35% perplexity for int8 on the default model, BENCHMARKS.md); None if it never
-    is, or was not measured (a weight that is not interleaved 4-bit, or a decode in float32)."""
+    is, or was not measured (a Blocks weight that is not interleaved 4-bit, a K-quant weight
+    whose parts are not in groups of 8 rows, or a decode in float32)."""
     if PREFILL_INT8 not in t or act not in ("int16", "int8"):
         return None
     from_ = None
@@ -378,8 +380,9 @@ def _kquant_key(m: nn.Module) -> str:
 
 def _kquant_paths(m: nn.Module, dtype: torch.dtype, bf16: bool) -> dict[str, Callable[[int], object]]:
     """path -> fn(rows) as a KQuantLinear runs it: its kernel (int16 codes, named as that mode, so
-    `choose` reads it as the activations) and the dense matmul after dequantizing, in the model's
-    dtype and, where measured, in bfloat16."""
+    `choose` reads it as the activations), the dense matmul after dequantizing, in the model's
+    dtype and, where measured, in bfloat16, and int8 activations against the codes (PREFILL_INT8)
+    where that kernel applies."""
     mat = m.matrix()
     x = torch.randn(GRID[-1], m.in_features, generator=torch.Generator().manual_seed(0))
     xd = x.to(dtype)
@@ -389,14 +392,17 @@ def _kquant_paths(m: nn.Module, dtype: torch.dtype, bf16: bool) -> dict[str, Cal
     if bf16:
         paths["dense_bf16"] = lambda r: F.linear(xd[:r].bfloat16(),
                                                  kquant.dequantize(mat, torch.bfloat16, reuse=True)).to(dtype)
+    if kquant.int8_applies(mat):  # int8 activations against the codes for prefill-sized batches
+        paths[PREFILL_INT8] = lambda r: kquant.matmul_int8(x[:r], mat)
     return paths
 
 
 def tune_kquant_linears(model: nn.Module, dtype: torch.dtype) -> dict | None:
     """Measure and set each K-quant linear's (KQuantLinear, raw GGUF Q4_K / Q5_K / Q6_K rows)
-    `dense_from` and `dense_dtype` by `choose`'s rule: from which batch size the dense matmul beats
-    the kernel, and whether it runs on the CPU's bfloat16 units (a Q4_K_M file's Q6_K ffn_down:
-    float32 dense is a third of bfloat16's speed on AVX512-BF16). None if there are none."""
+    `dense_from`, `dense_dtype` and `prefill_int8` by `choose`'s rule: from which batch size the
+    dense matmul, or int8 activations against the codes, beat the kernel, and whether the dense
+    matmul runs on the CPU's bfloat16 units (a Q4_K_M file's Q6_K ffn_down: float32 dense is a
+    third of bfloat16's speed on AVX512-BF16, int8 codes ~1.5x bfloat16). None if there are none."""
     mods = [m for m in model.modules() if getattr(m, "path", None) == "kquant"]
     if not mods or not enabled() or kquant.load() is None:
         return None
@@ -406,9 +412,10 @@ def tune_kquant_linears(model: nn.Module, dtype: torch.dtype) -> dict | None:
     for m in mods:
         by_shape.setdefault(_kquant_key(m), m)
     counts = {k: 1 for k in by_shape}  # one kernel: nothing to weigh across shapes
+    allow_prefill = prefill_int8_allowed()
 
     def rule(times: dict) -> dict:
-        return choose(times, counts, flags=flags)
+        return choose(times, counts, flags=flags, allow_prefill_int8=allow_prefill)
 
     entry, how = _decide_shapes("kquant", sorted(by_shape), lambda k: _kquant_paths(by_shape[k], dtype, bf16),
                                 rule, "kquant.c", dtype, flags)
@@ -417,7 +424,8 @@ def tune_kquant_linears(model: nn.Module, dtype: torch.dtype) -> dict | None:
         key = _kquant_key(m)
         m.dense_from = chosen["dense_from"][key]
         dd = chosen["dense_dtype"][key]
-        m.dense_dtype = getattr(torch, dd) if dd else None
+        m.prefill_int8 = dd == "int8"
+        m.dense_dtype = None if dd in (None, "int8") else getattr(torch, dd)
     logger.info("K-quant linears: %d (%s; rounds spread %.0f%%); dense from rows: %s", len(mods), how,
                 100 * entry_noise(entry), _dense_summary(chosen, dtype))
     return chosen

@@ -3,9 +3,11 @@
 The rows stay as the file stores them (Q6_K: 210 bytes per 256 weights, a fifth of float32's), so a
 decode step reads ~4x fewer bytes than a dequantized weight. Below `dense_from` tokens the C kernel
 (kvserve/kernels/kquant) multiplies them with int16 activations; from `dense_from` on,
-prefill-sized batches are compute-bound, so the weight is dequantized per call and one F.linear
-runs, in `dense_dtype` (bfloat16 where the CPU has bfloat16 units and tuning found it faster:
-kvserve.kernels.tuning.tune_kquant_linears; None: x's dtype). A fused linear (q/k/v, gate/up) may
+prefill-sized batches are compute-bound: either int8 activations against the codes
+(`prefill_int8`: kquant.matmul_int8, 8 rows at a time decoded into a copy every token uses), or
+the weight dequantized per call and one F.linear in `dense_dtype` (bfloat16 where the CPU has
+bfloat16 units; None: x's dtype), whichever tuning found faster
+(kvserve.kernels.tuning.tune_kquant_linears). A fused linear (q/k/v, gate/up) may
 hold parts of different K-quant types: each is a range of output rows. Without the C kernel, or off the CPU, the weight is dequantized once at build instead
 (path "dense"), as the loader did before these types were kept.
 """
@@ -44,6 +46,7 @@ class KQuantLinear(_QuantLinear):
         super().__init__(sum(p.shape[0] for p in parts), n_in, None, bias, dtype, device)
         self.dense_from = DENSE_FROM
         self.dense_dtype: torch.dtype | None = None
+        self.prefill_int8 = False  # from dense_from rows int8 activations against the codes instead (tuning)
         self.qtypes = [p.qtype for p in parts]
         if device.type != "cpu" or kquant.load() is None:
             self.path = "dense"
@@ -82,6 +85,8 @@ class KQuantLinear(_QuantLinear):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.path == "dense":
             return F.linear(x, self.weight.to(x.dtype))
+        if x.shape[0] >= self.dense_from and self.prefill_int8:  # prefill-sized, int8 codes (tuning chose)
+            return kquant.matmul_int8(x.float(), self.matrix()).to(x.dtype)
         if x.shape[0] >= self.dense_from:  # prefill-sized: compute-bound, one dense matmul
             dt = self.dense_dtype or x.dtype
             return F.linear(x.to(dt), kquant.dequantize(self.matrix(), dt, reuse=True)).to(x.dtype)

@@ -91,9 +91,58 @@ def check_kquant() -> list[str]:
     return bad
 
 
+def _int8_exact_x(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Activations that int8 codes per 32 values hold exactly: integers in [-127, 127] with one at
+    127 in each block, times a power of two (so amax / 127 and every code are exact)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (rows, cols // 32, 32), generator=g).float()
+    q[:, :, 5] = 127
+    return (q * 2.0 ** torch.randint(-8, 2, (rows, cols // 32, 1), generator=g).float()).reshape(rows, cols)
+
+
+def check_kquant_int8() -> list[str]:
+    """kquant.matmul_int8 (prefill-sized batches on int8 activations): where it applies (an AVX2
+    build, parts in groups of 8 rows), against x @ W.T in float64 with x that int8 codes hold
+    exactly, within the int8 rounding for any x, and batch-invariant; returns what failed."""
+    bad = []
+    odd = kquant.make_matrix([(int(Q.Q6_K), torch.from_numpy(kquant_rows(Q.Q6_K, 37, 512, seed=0)))], 512)
+    if kquant.int8_applies(odd):
+        bad.append("int8 applies to 37 rows")
+    # one type in 24 rows (a pair of groups and a lone one), and three parts of 8, 16 and 24 rows
+    # whose pairs of groups straddle the parts (the 512-bit tile takes two groups at once)
+    for qtypes in ([Q.Q6_K], [Q.Q4_K], [Q.Q5_K], [Q.Q4_K, Q.Q6_K, Q.Q5_K]):
+        raws = [kquant_rows(q, 24 if len(qtypes) == 1 else 8 * (i + 1), 512, seed=10 + i) for i, q in enumerate(qtypes)]
+        m = kquant.make_matrix([(int(q), torch.from_numpy(r)) for q, r in zip(qtypes, raws)], 512)
+        name = "+".join(q.name for q in qtypes)
+        if not kquant.int8_applies(m):
+            if cpu.isa_level() != "generic":
+                bad.append(f"int8 does not apply to {name}")
+            continue
+        ref = torch.cat([_ref(q, r) for q, r in zip(qtypes, raws)]).double()
+        for rows in (1, 3, 8, 13, 16, 37):
+            x = _int8_exact_x(rows, 512, seed=rows)
+            rel = _rel(kquant.matmul_int8(x, m), x.double() @ ref.T)
+            if not rel < 1e-5:
+                bad.append(f"int8 {name} m={rows}: {rel:.2e}")
+        x = torch.randn(40, 512, generator=torch.Generator().manual_seed(1))
+        rel = _rel(kquant.matmul_int8(x, m), x.double() @ ref.T)
+        if not rel < 2e-2:
+            bad.append(f"int8 {name} rounding: {rel:.2e}")
+        x = torch.randn(19, 512, generator=torch.Generator().manual_seed(2))
+        alone = torch.cat([kquant.matmul_int8(x[i:i + 1], m) for i in range(19)])
+        for rows in (2, 5, 8, 9, 16, 19):
+            if not torch.equal(kquant.matmul_int8(x[:rows], m), alone[:rows]):
+                bad.append(f"int8 batch invariance {name} m={rows}")
+    return bad
+
+
 def test_kernels_match_gguf_dequantize():
     assert kquant.load() is not None, "the C kernel must build here (gcc is part of the setup)"
     assert check_kquant() == []
+
+
+def test_int8_prefill_path_matches_and_is_batch_invariant():
+    assert check_kquant_int8() == []
 
 
 def test_a_decode_rows_sum_does_not_depend_on_the_thread_split():
@@ -122,7 +171,8 @@ def test_every_isa_level_this_cpu_runs(level, tmp_path):
         env.update(AVX2_ENV)
     code = ("import json; from tests.quant.test_kquant import check_kquant; "
             "from kvserve.kernels import cpu, kquant; assert kquant.load() is not None; "
-            "print(json.dumps({'level': cpu.isa_level(), 'bad': check_kquant()}))")
+            "from tests.quant.test_kquant import check_kquant_int8; "
+            "print(json.dumps({'level': cpu.isa_level(), 'bad': check_kquant() + check_kquant_int8()}))")
     root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                          check=False, cwd=root)

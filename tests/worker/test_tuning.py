@@ -523,7 +523,8 @@ def test_kquant_linears_take_bf16_dense_prefill_by_the_same_rule(cache, monkeypa
     from kvserve.kernels import kquant
 
     set_flags(monkeypatch, bf16=True)
-    clock = use_clock(monkeypatch, linear_clock(int16=1e-5))  # dense float32 from 32 rows, bfloat16 from 16
+    # dense float32 from 32 rows, bfloat16 from 16; int8 codes (where they apply) slower than all
+    clock = use_clock(monkeypatch, linear_clock(int16=1e-5, prefill_int8=1.0))
     model = torch.nn.Sequential(kquant_linear(), kquant_linear())
     qmatmul.scratch(1 << 20, torch.float32)  # as a dense path timed on a large weight (an LM head) leaves it
     with caplog.at_level("INFO", logger=LOGGER):
@@ -542,11 +543,40 @@ def test_kquant_linears_take_bf16_dense_prefill_by_the_same_rule(cache, monkeypa
     assert torch.equal(m(x[:15]), kquant.matmul(x[:15], m.matrix()))  # decode-sized: the kernel
     # no bf16 units: bfloat16 is not even measured, the float32 dense path from 32 rows
     set_flags(monkeypatch, bf16=False)
-    clock = use_clock(monkeypatch, linear_clock(int16=1e-5))
+    clock = use_clock(monkeypatch, linear_clock(int16=1e-5, prefill_int8=1.0))
     chosen = tuning.tune_kquant_linears(model, torch.float32)
     assert chosen["dense_dtype"] == {"64x256:Q6_K": None} and chosen["dense_from"] == {"64x256:Q6_K": 32}
     assert not any(label.startswith("dense_bf16") for label in clock.calls) and model[1].dense_dtype is None
     assert tuning.tune_kquant_linears(two_linears(), torch.float32) is None  # no K-quant linears
+
+
+def test_kquant_linears_take_int8_prefill_where_it_wins(cache, monkeypatch, caplog):
+    """The K-quant rows' int8 path (kquant.matmul_int8) is the PREFILL_INT8 candidate of
+    `choose`'s rule: measured where it applies (groups of 8 rows, an AVX2 build), chosen from
+    BF16_DENSE_MIN_ROWS when it wins with the margin, and then the module runs it for
+    prefill-sized batches (decode-sized ones keep the kernel); KVSERVE_PREFILL_INT8=0 keeps it off."""
+    from kvserve.kernels import kquant
+
+    model = torch.nn.Sequential(kquant_linear(), kquant_linear())
+    m = model[0]
+    if not kquant.int8_applies(m.matrix()):
+        pytest.skip("the K-quant int8 path needs an AVX2 build (KVSERVE_CPU_ISA=generic here)")
+    set_flags(monkeypatch, bf16=True)
+    clock = use_clock(monkeypatch, linear_clock(int16=1e-5, prefill_int8=1e-7))
+    with caplog.at_level("INFO", logger=LOGGER):
+        chosen = tuning.tune_kquant_linears(model, torch.float32)
+    assert chosen["dense_dtype"] == {"64x256:Q6_K": "int8"} and chosen["dense_from"] == {"64x256:Q6_K": 16}
+    assert clock.count[f"{tuning.PREFILL_INT8}@64x256:Q6_K/256"] == evidence.ROUNDS
+    assert "64x256:Q6_K 16 in int8" in caplog.text
+    assert m.prefill_int8 and m.dense_dtype is None and m.dense_from == 16
+    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(m(x), kquant.matmul_int8(x, m.matrix()))
+    assert torch.equal(m(x[:15]), kquant.matmul(x[:15], m.matrix()))  # decode-sized: the kernel
+    ref = F.linear(x, kquant.dequantize(m.matrix()))
+    assert float((m(x) - ref).norm() / ref.norm()) < 2e-2  # int8 activations' rounding
+    monkeypatch.setenv(tuning.PREFILL_INT8_ENV, "0")
+    assert tuning.tune_kquant_linears(model, torch.float32)["dense_dtype"] == {"64x256:Q6_K": "bfloat16"}
+    assert not m.prefill_int8 and m.dense_dtype == torch.bfloat16
 
 
 # ---- what `kvserve env` shows ------------------------------------------------------------------

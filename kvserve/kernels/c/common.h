@@ -1,8 +1,8 @@
 /* Helpers every kernel source includes (the decode stack compiles several sources as one unit,
    hence the include guard): e^x that `omp simd` loops vectorize (libm's expf is one call per
    element, most of the time of a softmax or SiLU), an AVX2 horizontal sum, two int16 dot
-   products summed (VNNI where it exists), and float32 -> bfloat16 as torch rounds it (the dense
-   prefill paths' weights, dequantized straight into bfloat16). */
+   products summed (VNNI where it exists), float32 -> bfloat16 as torch rounds it (the dense
+   prefill paths' weights, dequantized straight into bfloat16), and an 8 x 8 transpose of 32-bit lanes. */
 #ifndef KVSERVE_COMMON_H
 #define KVSERVE_COMMON_H
 #include <math.h>
@@ -27,6 +27,23 @@ static inline __m256i madd2_epi16(__m256i a0, __m256i x0, __m256i a1, __m256i x1
 #else
     return _mm256_add_epi32(_mm256_madd_epi16(a0, x0), _mm256_madd_epi16(a1, x1));
 #endif
+}
+/* r[i] (8 rows of 8 floats) -> r[j] = column j. */
+static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i)
+        for (int h = 0; h < 2; ++h) {
+            u[4 * i + 2 * h] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + h + 2], 0x44);
+            u[4 * i + 2 * h + 1] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + h + 2], 0xEE);
+        }
+    for (int j = 0; j < 4; ++j) {
+        r[j] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x20);
+        r[j + 4] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x31);
+    }
 }
 /* float_to_bf16 of 8 floats at once. */
 static inline __m128i bf16x8(__m256 v) {

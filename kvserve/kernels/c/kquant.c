@@ -509,3 +509,286 @@ void kq_dequantize(const KqMatrix *W, void *w, int bf16, int nthreads) {
         first += P->rows;
     }
 }
+
+/* Prefill-sized batches on int8 activations (kq_linear_int8): the K-quant rows of 8 output rows
+ * at a time (a group; every part's rows a multiple of 8) are decoded into a per-thread copy in
+ * qmatmul's interleaved 8-bit layout, used by every token of the batch and then dropped, so no
+ * second copy of the weight is kept and the copy stays in L2. Per 32-weight block a group holds 8
+ * chunks of 32 bytes (chunk c's bytes 4 i + j: row i's code 4 c + j), the codes centred and signed
+ * (q - 32 for Q6_K, q - 16 Q5_K, q - 8 Q4_K), their scale per 16-weight half (Q6_K's d sc of the
+ * sub-block; Q4_K / Q5_K's d sc of the block, twice) and, for Q4_K / Q5_K, the block's offset
+ * e = 8 d sc - dmin m (with 16 for Q5_K) against the exact float sum of x. Activations are int8 per
+ * 32 values (scale amax / 127, as qmatmul's int8 codes) stored as unsigned bytes u = q + 128, so
+ * vpdpbusd (or maddubs) takes them against the signed codes and each half's 128 sum(codes), kept
+ * per row in the copy, is taken off its integer sum: per token and block 8 dpbusd, two
+ * conversions and two FMAs, against 1 byte per weight read from L2. Each token's sums do not
+ * depend on the batch. */
+#if defined(__AVX2__)
+/* Block j (0..7) of a super-block blk: its 32 codes centred, in order, in a register. */
+static inline __m256i kq8_codes(int64_t qtype, const uint8_t *blk, int j) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    if (qtype == KQ_Q6_K) {
+        const int h = j / 4, s4 = j % 4;
+        const __m256i l = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (s4 & 1)));
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        return _mm256_sub_epi8(kq_q6k_codes(l, l, hb, s4), _mm256_set1_epi8(32));
+    }
+    const int has_qh = qtype == KQ_Q5_K;
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + (has_qh ? 48 : 16) + 32 * (j / 2)));
+    __m256i q = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(v, 4) : v, m4);
+    if (has_qh) {  /* bit j of qh[l] to bit 4: shifted in 16-bit lanes, then masked */
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        const __m256i top = j < 4 ? _mm256_slli_epi16(qh, 4 - j) : _mm256_srli_epi16(qh, j - 4);
+        q = _mm256_or_si256(q, _mm256_and_si256(top, _mm256_set1_epi8(0x10)));
+    }
+    return _mm256_sub_epi8(q, _mm256_set1_epi8(has_qh ? 16 : 8));
+}
+/* Row i's scale of each 16-weight half (sc [16]) and offset of each block (e [8]) in super-block blk. */
+static inline void kq8_scales(int64_t qtype, const uint8_t *blk, float sc[16], float e[8]) {
+    if (qtype == KQ_Q6_K) {
+        const float d = kq_half(blk + 208);
+        for (int i = 0; i < 16; ++i) sc[i] = d * (float)(int8_t)blk[192 + i];
+        for (int j = 0; j < 8; ++j) e[j] = 0.f;
+        return;
+    }
+    const float centre = qtype == KQ_Q5_K ? 16.f : 8.f, d = kq_half(blk), dmin = kq_half(blk + 2);
+    uint8_t s[8], m[8];
+    kq_scale_min(blk + 4, s, m);
+    for (int j = 0; j < 8; ++j) {
+        sc[2 * j] = sc[2 * j + 1] = d * (float)s[j];
+        e[j] = centre * sc[2 * j] - dmin * (float)m[j];
+    }
+}
+/* A unit's copy (L rows: one group of 8, or two side by side for the 512-bit tile): per block, codes
+   wg [nb][8 chunks][4 L], scales sg [nb][2][L], 128 x code sums cg [nb][2][L] (int32), offsets
+   eg [nb][L]. Written here: group gh's 8 lanes (gh 0 or 1), from its rows (row_bytes apart). */
+static void kq8_repack(int64_t qtype, const uint8_t *rows, int64_t row_bytes, int64_t K, int L, int gh, uint8_t *wg,
+                       float *sg, int32_t *cg, float *eg) {
+    const int64_t bytes = kq_block_bytes(qtype);
+    const __m256i ones = _mm256_set1_epi8(1);
+    for (int64_t sb = 0; sb < K / 256; ++sb) {
+        float sc[8][16], e[8][8];
+        for (int i = 0; i < 8; ++i) kq8_scales(qtype, rows + i * row_bytes + sb * bytes, sc[i], e[i]);
+        for (int j = 0; j < 8; ++j) {
+            const int64_t b = sb * 8 + j;
+            __m256 r[8];
+            for (int i = 0; i < 8; ++i)
+                r[i] = _mm256_castsi256_ps(kq8_codes(qtype, rows + i * row_bytes + sb * bytes, j));
+            transpose8(r);  /* r[c]: lane i = row i's codes 4c..4c+3 */
+            __m256i half[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            for (int c = 0; c < 8; ++c) {
+                const __m256i v = _mm256_castps_si256(r[c]);
+                _mm256_storeu_si256((__m256i *)(wg + (b * 8 + c) * 4 * L + 32 * gh), v);
+                half[c / 4] = _mm256_add_epi32(half[c / 4], _mm256_madd_epi16(_mm256_maddubs_epi16(ones, v),
+                                                                              _mm256_set1_epi16(1)));
+            }
+            for (int h = 0; h < 2; ++h) {
+                _mm256_storeu_si256((__m256i *)(cg + (2 * b + h) * L + 8 * gh), _mm256_slli_epi32(half[h], 7));
+                for (int i = 0; i < 8; ++i) sg[(2 * b + h) * L + 8 * gh + i] = sc[i][2 * j + h];
+            }
+            for (int i = 0; i < 8; ++i) eg[b * L + 8 * gh + i] = e[i][j];
+        }
+    }
+}
+/* Per-thread scratch for one group's copy (kept between calls, as qmatmul's split_scratch). */
+static uint8_t *kq8_scratch(size_t n) {
+    static __thread uint8_t *buf;
+    static __thread size_t cap;
+    if (n > cap) {
+        free(buf);
+        buf = malloc(n);
+        cap = buf ? n : 0;
+    }
+    return buf;
+}
+/* x [M, K] -> int8 codes as unsigned bytes (q + 128), scales xd and exact sums xs, packed for
+   kq8_tile: tokens in runs of 8, then 4, 2 and 1, each run block by block (xp + t0 K + (b T + t) 32,
+   xd / xs at t0 nb + b T + t). */
+static void kq8_quantize(const float *x, int64_t ldx, int64_t M, int64_t K, uint8_t *xp, float *xd, float *xs,
+                         int nthreads) {
+    const int64_t nb = K / 32;
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
+    for (int64_t i = 0; i < M * nb; ++i) {
+        const int64_t m = i / nb, b = i % nb;
+        /* the run holding token m: runs of 8 while 8 are left, then 4, 2 and 1 of the rest */
+        const int64_t whole = M & ~(int64_t)7;
+        int64_t s = m & ~(int64_t)7, T = 8;
+        if (m >= whole)
+            for (s = whole, T = 4; T; T >>= 1)
+                if ((M - whole) & T) {
+                    if (m < s + T) break;
+                    s += T;
+                }
+        const float *src = x + m * ldx + b * 32;
+        float amax = 0.f, sum = 0.f;
+        for (int j = 0; j < 32; ++j) { const float a = fabsf(src[j]); amax = a > amax ? a : amax; sum += src[j]; }
+        const float id = amax > 0.f ? 127.f / amax : 0.f;
+        const int64_t o = s * nb + b * T + (m - s);
+        uint8_t *dst = xp + s * K + (b * T + (m - s)) * 32;
+        for (int j = 0; j < 32; ++j) {
+            const float v = src[j] * id;
+            dst[j] = (uint8_t)((int)(v + (v >= 0.f ? .5f : -.5f)) + 128);
+        }
+        xd[o] = amax / 127.f;
+        xs[o] = sum;
+    }
+}
+/* One 16-weight half's 8 row sums: 4 chunks of codes w against 4 x 4 activation bytes x4. Without
+   VNNI two maddubs results are added in int16 before widening (each pair at most 2 x 255 x 32, two
+   of them 32640 < 32767 for codes within [-32, 32]). The same integers either way. */
+static inline __m256i kq8_half(const int32_t *x4, const __m256i *w) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    __m256i s = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) s = _mm256_dpbusd_epi32(s, _mm256_set1_epi32(x4[c]), w[c]);
+    return s;
+#elif defined(__AVXVNNI__)
+    __m256i s = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) s = _mm256_dpbusd_avx_epi32(s, _mm256_set1_epi32(x4[c]), w[c]);
+    return s;
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_set1_epi32(x4[0]), w[0]),
+                                       _mm256_maddubs_epi16(_mm256_set1_epi32(x4[1]), w[1]));
+    const __m256i q = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_set1_epi32(x4[2]), w[2]),
+                                       _mm256_maddubs_epi16(_mm256_set1_epi32(x4[3]), w[3]));
+    return _mm256_add_epi32(_mm256_madd_epi16(p, ones), _mm256_madd_epi16(q, ones));
+#endif
+}
+/* Token t's share of block b into acc: two halves, each its integer sum less 128 sum(codes), by
+   its scale, then by xd; then the offset against the exact sum. */
+#define KQ8_TOKEN(t, acc) if (T > t) { \
+        const int64_t i = b * T + t; \
+        const int32_t *x4 = (const int32_t *)(xp + i * 32); \
+        const __m256i s0 = kq8_half(x4, w), s1 = kq8_half(x4 + 4, w + 4); \
+        const __m256 h_ = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s1, c1)), d1, \
+                                          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s0, c0)), d0)); \
+        acc = _mm256_fmadd_ps(h_, _mm256_set1_ps(xd[i]), acc); \
+        if (HAS_E) acc = _mm256_fmadd_ps(e, _mm256_set1_ps(xs[i]), acc); }
+static inline __attribute__((always_inline)) void kq8_tile(
+        const int T, const int HAS_E, const int L, const uint8_t *wg, const float *sg, const int32_t *cg, const float *eg,
+        int64_t nb, const uint8_t *xp, const float *xd, const float *xs, __m256 *out) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256i w[8];
+        for (int c = 0; c < 8; ++c) w[c] = _mm256_loadu_si256((const __m256i *)(wg + (b * 8 + c) * 4 * L));
+        const __m256 d0 = _mm256_loadu_ps(sg + 2 * b * L), d1 = _mm256_loadu_ps(sg + (2 * b + 1) * L);
+        const __m256i c0 = _mm256_loadu_si256((const __m256i *)(cg + 2 * b * L));
+        const __m256i c1 = _mm256_loadu_si256((const __m256i *)(cg + (2 * b + 1) * L));
+        const __m256 e = HAS_E ? _mm256_loadu_ps(eg + b * L) : _mm256_setzero_ps();
+        KQ8_TOKEN(0, a0) KQ8_TOKEN(1, a1) KQ8_TOKEN(2, a2) KQ8_TOKEN(3, a3)
+        KQ8_TOKEN(4, a4) KQ8_TOKEN(5, a5) KQ8_TOKEN(6, a6) KQ8_TOKEN(7, a7)
+    }
+    out[0] = a0; out[1] = a1; out[2] = a2; out[3] = a3; out[4] = a4; out[5] = a5; out[6] = a6; out[7] = a7;
+}
+/* A run of T tokens over a unit's copy (L lanes; the 256-bit tile reads lanes at + off), scales as above. */
+#define KQ8_RUN(T, L, off) (has_e ? kq8_tile(T, 1, L, wg + 4 * (off), sg + (off), cg + (off), eg + (off), nb, xr, dr, sr, o) \
+                              : kq8_tile(T, 0, L, wg + 4 * (off), sg + (off), cg + (off), eg + (off), nb, xr, dr, sr, o))
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define HAS_KQ8Z 1
+/* kq8_tile for two groups at once (L = 16: group g in the low half of each 512-bit register, g + 1 in
+   the high one), 8 tokens: each broadcast of 4 activation bytes and each float step serves 16 rows.
+   Every lane's operations are kq8_tile's, so a row's output has the same bits either way. */
+#define KQ8Z_TOKEN(t, acc) { \
+        const int64_t i = b * 8 + t; \
+        const int32_t *x4 = (const int32_t *)(xp + i * 32); \
+        __m512i s0 = _mm512_setzero_si512(), s1 = s0; \
+        for (int c = 0; c < 4; ++c) { \
+            s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(x4[c]), w[c]); \
+            s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(x4[4 + c]), w[4 + c]); } \
+        const __m512 h_ = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s1, c1)), d1, \
+                                          _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s0, c0)), d0)); \
+        acc = _mm512_fmadd_ps(h_, _mm512_set1_ps(xd[i]), acc); \
+        if (HAS_E) acc = _mm512_fmadd_ps(e, _mm512_set1_ps(xs[i]), acc); }
+static inline __attribute__((always_inline)) void kq8z_tile(
+        const int HAS_E, const uint8_t *wg, const float *sg, const int32_t *cg, const float *eg, int64_t nb,
+        const uint8_t *xp, const float *xd, const float *xs, __m512 *out) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512i w[8];
+        for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512((const void *)(wg + (b * 8 + c) * 64));
+        const __m512 d0 = _mm512_loadu_ps(sg + b * 32), d1 = _mm512_loadu_ps(sg + b * 32 + 16);
+        const __m512i c0 = _mm512_loadu_si512((const void *)(cg + b * 32));
+        const __m512i c1 = _mm512_loadu_si512((const void *)(cg + b * 32 + 16));
+        const __m512 e = HAS_E ? _mm512_loadu_ps(eg + b * 16) : _mm512_setzero_ps();
+        KQ8Z_TOKEN(0, a0) KQ8Z_TOKEN(1, a1) KQ8Z_TOKEN(2, a2) KQ8Z_TOKEN(3, a3)
+        KQ8Z_TOKEN(4, a4) KQ8Z_TOKEN(5, a5) KQ8Z_TOKEN(6, a6) KQ8Z_TOKEN(7, a7)
+    }
+    out[0] = a0; out[1] = a1; out[2] = a2; out[3] = a3; out[4] = a4; out[5] = a5; out[6] = a6; out[7] = a7;
+}
+#else
+#define HAS_KQ8Z 0
+#endif
+#endif
+
+/* y = x @ W.T on int8 activations (above) for float32 x [M, K] (row stride ldx), y [M, N] (row
+   stride ldy). 0, or -1 where it does not apply: no AVX2, or a part whose rows are not a multiple
+   of 8 (nothing is written then). */
+int kq_linear_int8(const KqMatrix *W, int64_t N, const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy,
+                   int nthreads) {
+#if defined(__AVX2__)
+    const int64_t K = W->k, nb = K / 32;
+    for (int64_t p = 0; p < W->nparts; ++p)
+        if (W->part[p].rows % 8) return -1;
+    uint8_t *xp = malloc((size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * nb));
+    if (!xp) return -1;
+    float *xd = (float *)(xp + M * K), *xs = xd + M * nb;
+    kq8_quantize(x, ldx, M, K, xp, xd, xs, nthreads);
+    const int L = HAS_KQ8Z ? 16 : 8;  /* rows per unit: two groups where the 512-bit tile exists */
+    const int64_t G = N / 8, units = (G + L / 8 - 1) / (L / 8);
+    const size_t unit_bytes = (size_t)nb * (size_t)L * (32 + 5 * sizeof(float));
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        uint8_t *wg = kq8_scratch(unit_bytes);
+        if (!wg) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        float *sg = (float *)(wg + 32 * nb * L);
+        int32_t *cg = (int32_t *)(sg + 2 * nb * L);
+        float *eg = (float *)(cg + 2 * nb * L);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < units; ++u) {
+            if (!wg) continue;
+            const int64_t g0 = u * (L / 8), ng = G - g0 < L / 8 ? G - g0 : L / 8;
+            int has_e = 0;
+            for (int64_t gh = 0; gh < ng; ++gh) {  /* each group from its part (a pair may straddle two) */
+                const int64_t g = g0 + gh;
+                int64_t first = 0, p = 0;
+                while (g * 8 >= first + W->part[p].rows) first += W->part[p++].rows;
+                const KqPart *P = W->part + p;
+                const int64_t row_bytes = K / 256 * kq_block_bytes(P->qtype);
+                kq8_repack(P->qtype, P->data + (g * 8 - first) * row_bytes, row_bytes, K, L, (int)gh, wg, sg, cg, eg);
+                has_e |= P->qtype != KQ_Q6_K;  /* Q6_K lanes' offsets are 0: an FMA by them changes nothing */
+            }
+            for (int64_t t0 = 0, T; t0 < M; t0 += T) {
+                T = M - t0 >= 8 ? 8 : M - t0 >= 4 ? 4 : M - t0 >= 2 ? 2 : 1;
+                const uint8_t *xr = xp + t0 * K;
+                const float *dr = xd + t0 * nb, *sr = xs + t0 * nb;
+#if HAS_KQ8Z
+                if (ng == 2 && T == 8) {
+                    __m512 oz[8];
+                    if (has_e) kq8z_tile(1, wg, sg, cg, eg, nb, xr, dr, sr, oz);
+                    else kq8z_tile(0, wg, sg, cg, eg, nb, xr, dr, sr, oz);
+                    for (int64_t t = 0; t < 8; ++t) _mm512_storeu_ps(y + (t0 + t) * ldy + g0 * 8, oz[t]);
+                    continue;
+                }
+#endif
+                for (int64_t gh = 0; gh < ng; ++gh) {
+                    __m256 o[8];
+                    if (T == 8) KQ8_RUN(8, L, 8 * gh);
+                    else if (T == 4) KQ8_RUN(4, L, 8 * gh);
+                    else if (T == 2) KQ8_RUN(2, L, 8 * gh);
+                    else KQ8_RUN(1, L, 8 * gh);
+                    for (int64_t t = 0; t < T; ++t) _mm256_storeu_ps(y + (t0 + t) * ldy + (g0 + gh) * 8, o[t]);
+                }
+            }
+        }
+    }
+    free(xp);
+    return failed ? -1 : 0;
+#else
+    (void)W; (void)N; (void)x; (void)ldx; (void)M; (void)y; (void)ldy; (void)nthreads;
+    return -1;
+#endif
+}

@@ -248,23 +248,6 @@ static inline __attribute__((always_inline)) void outer_tile(const int T, const 
         }
     }
 }
-/* r[i] (8 rows of 8 floats) -> r[j] = column j. */
-static inline void transpose8(__m256 r[8]) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 4; ++i) {
-        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 2; ++i)
-        for (int h = 0; h < 2; ++h) {
-            u[4 * i + 2 * h] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + h + 2], 0x44);
-            u[4 * i + 2 * h + 1] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + h + 2], 0xEE);
-        }
-    for (int j = 0; j < 4; ++j) {
-        r[j] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x20);
-        r[j + 4] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x31);
-    }
-}
 /* Rows [n0, n0 + nr) of W (nr <= NR) as floats (weight = code d + c), transposed into wt [K][NR]
    (rows past nr are zeros): 8 rows' blocks at a time, by 8x8 register transposes. */
 static void decode_panel(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t K, int64_t n0,
