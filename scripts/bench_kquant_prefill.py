@@ -20,11 +20,13 @@ import torch.nn.functional as F
 
 from kvserve.kernels import kquant
 
-# per shape: (name, [(qtype, rows)], K): ffn_down in Q6_K, and a fused q/k/v whose v is Q6_K
+# per model: (name, [(qtype, rows)], K): the K-quant linears of a Q4_K_M file as the loader keeps
+# them (ffn_down and attn_v in Q6_K; q and k beside a Q6_K v go to qmatmul's blocks), and a fused
+# weight of mixed parts (as a file whose q/k/v are all K-quants other than Q4_K would give)
 SHAPES = {
-    "tinyllama-1.1b": [("ffn_down Q6_K", [(kquant.Q6_K, 2048)], 5632),
+    "tinyllama-1.1b": [("ffn_down Q6_K", [(kquant.Q6_K, 2048)], 5632), ("attn_v Q6_K", [(kquant.Q6_K, 256)], 2048),
                        ("qkv Q4_K+Q4_K+Q6_K", [(kquant.Q4_K, 2048), (kquant.Q4_K, 256), (kquant.Q6_K, 256)], 2048)],
-    "llama-3.2-3b": [("ffn_down Q6_K", [(kquant.Q6_K, 3072)], 8192),
+    "llama-3.2-3b": [("ffn_down Q6_K", [(kquant.Q6_K, 3072)], 8192), ("attn_v Q6_K", [(kquant.Q6_K, 1024)], 3072),
                      ("qkv Q4_K+Q4_K+Q6_K", [(kquant.Q4_K, 3072), (kquant.Q4_K, 1024), (kquant.Q6_K, 1024)], 3072)],
 }
 
