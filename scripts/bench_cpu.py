@@ -17,7 +17,8 @@ Each configuration runs in a fresh process, so none sees another's caches or thr
 
 --rounds N: run every configuration and llama.cpp N times, interleaved (round 1: each of them once,
 then round 2, ...), so a machine whose speed drifts over minutes (a shared VM) moves all of them
-alike. The table shows each engine's median over the rounds, and the ratios to llama.cpp are the
+alike; each round starts one engine later than the one before, so no engine always runs first
+(on a busy VM the first run after the bandwidth read has come out up to 15% slow). The table shows each engine's median over the rounds, and the ratios to llama.cpp are the
 median of the ratios within each round (a configuration against the llama.cpp run beside it).
 
 Two decode rates: `tok/s` is tokens over the wall time of the whole request (as recorded before
@@ -326,20 +327,23 @@ def measure_all(args: argparse.Namespace, configs: list[str], lengths: list[int]
             bw_rounds.append(again["gb_s"] if again else None)
             if again and again["gb_s"] > bw["gb_s"]:
                 bw, gb_s = again, again["gb_s"]
-        for name in configs:
+        # each round starts one engine later, so none always runs first (after the bandwidth read)
+        engines = [*configs, *(["llama.cpp"] if args.llama_python else [])]
+        for name in engines[k % len(engines):] + engines[:k % len(engines)]:
+            if name == "llama.cpp":
+                n_ctx = max([*lengths, 64 + args.decode_tokens]) + 64
+                r = one[name] = _run(args.llama_python, {"kind": "llama.cpp", "threads": args.threads,
+                                                         "n_ctx": n_ctx, **common}, env)
+                r.update(dtype="-", quantization="gguf")
+                bandwidth_share(r, geo["tensor_bytes"], LLAMA_KV_BYTES, geo, args.decode_tokens, gb_s)
+                print(f"{tag}llama.cpp: decode {r['decode_tok_s']:.1f} tok/s, {_fmt(r['bandwidth_pct'], '.1f')}% of "
+                      "bandwidth", flush=True)
+                continue
             kwargs, extra = CONFIGS[name]
             r = one[name] = _run(sys.executable, {"kind": "kvserve", "kwargs": kwargs, **common}, {**env, **extra})
             bandwidth_share(r, r["weight_bytes"], r["kv_bytes_per_element"], geo, args.decode_tokens, gb_s)
             print(f"{tag}kvserve {name}: decode {r['decode_tok_s']:.1f} tok/s, {_fmt(r['bandwidth_pct'], '.1f')}% "
                   f"of bandwidth ({r['dtype']}, {r['quantization']})", flush=True)
-        if args.llama_python:
-            n_ctx = max([*lengths, 64 + args.decode_tokens]) + 64
-            r = one["llama.cpp"] = _run(args.llama_python, {"kind": "llama.cpp", "threads": args.threads,
-                                                           "n_ctx": n_ctx, **common}, env)
-            r.update(dtype="-", quantization="gguf")
-            bandwidth_share(r, geo["tensor_bytes"], LLAMA_KV_BYTES, geo, args.decode_tokens, gb_s)
-            print(f"{tag}llama.cpp: decode {r['decode_tok_s']:.1f} tok/s, {_fmt(r['bandwidth_pct'], '.1f')}% of "
-                  "bandwidth", flush=True)
         rounds.append(one)
     for name in rounds[0]:
         r = results["runs"][name] = median_run([one[name] for one in rounds])
