@@ -521,7 +521,7 @@ void kq_dequantize(const KqMatrix *W, void *w, int bf16, int nthreads) {
  * 32 values (scale amax / 127, as qmatmul's int8 codes) stored as unsigned bytes u = q + 128, so
  * vpdpbusd (or maddubs) takes them against the signed codes and each half's 128 sum(codes), kept
  * per row in the copy, is taken off its integer sum: per token and block 8 dpbusd, two
- * conversions and two FMAs, against 1 byte per weight read from L2. Each token's sums do not
+ * conversions, a multiply and two FMAs, against 1 byte per weight read from L2. Each token's sums do not
  * depend on the batch. */
 #if defined(__AVX2__)
 /* Block j (0..7) of a super-block blk: its 32 codes centred, in order, in a register. */
@@ -590,7 +590,7 @@ static void kq8_repack(int64_t qtype, const uint8_t *rows, int64_t row_bytes, in
         }
     }
 }
-/* Per-thread scratch for one group's copy (kept between calls, as qmatmul's split_scratch). */
+/* Per-thread scratch for one unit's copy (kept between calls, as qmatmul's split_scratch). */
 static uint8_t *kq8_scratch(size_t n) {
     static __thread uint8_t *buf;
     static __thread size_t cap;
