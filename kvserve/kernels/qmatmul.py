@@ -38,8 +38,8 @@ them, AVX-512VL+VNNI or AVX-VNNI) and a plain C body elsewhere:
     while decode runs int16; as a decode mode it is opt-in (tuning.INT8_ENV).
 `dequantize` writes W as float32 for the dense path (when tuning finds MKL faster).
 
-Interleaved (`relayout`, for weights that run with int16 activations, or 4-bit ones with int8;
-`interleaved_for`): rows in groups of 8, each
+Interleaved (`relayout`, for weights that run with int16 activations, or 4-bit ones with int8, and
+8-bit ones with int8 where the CPU has VNNI; `interleaved_for`): rows in groups of 8, each
 16 bytes of a row (a 4-bit block, half an 8-bit one) 4 chunks of 32 in its group: chunk c's byte
 4 i + j is row i's byte 4 c + j, and the scales / offsets [N / 8, K / 32, 8] likewise (the tensors
 keep their shapes). One broadcast of 4 activations then serves 8 rows, a lane per row: 4-bit codes
@@ -61,13 +61,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.kernels import build
+from kvserve.kernels import build, cpu
 
 logger = logging.getLogger(__name__)
 
 HALF_SCALES = 16  # or'ed into Blocks.kind: float16 scales (c/qmatmul.c's HALF_SCALES)
 INTERLEAVED = 32  # or'ed into Blocks.kind: rows interleaved by 8 (the module docstring)
 KSCALES = 64  # or'ed into Blocks.kind: factored scales and offsets (the module docstring)
+VNNI_LEVELS = ("avx512_vnni", "avx_vnni")  # cpu.isa_level()s whose kernels have vpdpbusd
 MODES = ("float32", "int8", "int16")  # activations: exact floats, or int8 / int16 codes per 32-value block
 _i64, _vp, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {  # the two entry points; the rest of the source is static
@@ -203,8 +204,11 @@ def can_interleave(w: Blocks) -> bool:
 
 def interleaved_for(mode: str, bits: int) -> bool:
     """Whether weights of `bits` run `mode` activations on rows interleaved by 8: int16 always, int8
-    with 4-bit codes (read in place by il8_tile; 8-bit ones take row-major copies)."""
-    return mode == "int16" or (mode == "int8" and bits == 4)
+    with 4-bit codes (read in place by il8_tile) and, where the kernels' ISA level has VNNI, with
+    8-bit ones (il8b_tile; without VNNI they stay row-major: maddubs would saturate on them)."""
+    if mode == "int16" or (mode == "int8" and bits == 4):
+        return True
+    return mode == "int8" and bits == 8 and cpu.isa_level() in VNNI_LEVELS
 
 
 def _groups(t: torch.Tensor, forward: bool) -> torch.Tensor:

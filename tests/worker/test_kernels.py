@@ -48,10 +48,12 @@ def _k_blocks(n: int, k: int, top: int, seed: int = 0):
 
 
 def _same_int8(a: torch.Tensor, b: torch.Tensor, bits: int) -> bool:
-    """int8 activations on interleaved and row-major weights: 8-bit codes take row-major copies
-    (the same bits); 4-bit ones are read in place, the same integer sums per block but their
-    floats summed in another order."""
-    return torch.equal(a, b) if bits == 8 else torch.allclose(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
+    """int8 activations on interleaved and row-major weights: 8-bit codes without VNNI take
+    row-major copies (the same bits); 4-bit ones, and 8-bit ones with VNNI, are read in place, the
+    same integer sums per block but their floats summed in another order."""
+    if bits == 8 and cpu.isa_level() not in qmatmul.VNNI_LEVELS:
+        return torch.equal(a, b)
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
 
 
 def check_qmatmul() -> list[str]:

@@ -1227,14 +1227,24 @@ static inline void il_group_scales(const void *wd, const void *wc, int scl, int6
     *cg = !wc ? 0 : scl == SC_K ? (const void *)((const uint16_t *)wc + g * nb * 2)
           : (const void *)((const float *)wc + g * nb * 8);
 }
+/* il8_pack's output in this thread's scratch: the packed codes, and *cp, *pd, *ps beside them. */
+static int8_t *il8_packed(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, int32_t **cp,
+                          float **pd, float **ps) {
+    const int64_t nb = K / 32;
+    int8_t *xp = (int8_t *)split_scratch((size_t)(M * K + 12 * M * nb));
+    *cp = (int32_t *)(xp + M * K);
+    *pd = (float *)(*cp + M * nb);
+    *ps = *pd + M * nb;
+    il8_pack(xq, xd, xs, M, K, xp, *cp, *pd, *ps);
+    return xp;
+}
 /* Interleaved 4-bit rows [n0, n1) for M tokens of int8 codes (il8_tile). */
 static void il_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, int64_t K, const int8_t *xq,
                     const float *xd, const float *xs, int64_t M, float *y, int64_t ldy, int64_t n0, int64_t n1) {
     const int64_t nb = K / 32;
-    int8_t *xp = (int8_t *)split_scratch((size_t)(M * K + 12 * M * nb));
-    int32_t *cpk = (int32_t *)(xp + M * K);
-    float *pdk = (float *)(cpk + M * nb), *psk = pdk + M * nb;
-    il8_pack(xq, xd, xs, M, K, xp, cpk, pdk, psk);
+    int32_t *cpk;
+    float *pdk, *psk;
+    int8_t *xp = il8_packed(xq, xd, xs, M, K, &cpk, &pdk, &psk);
     for (int64_t g = n0 >> 3, step; g * 8 < n1; g += step) {
         const uint8_t *wg = wq + g * nb * 128;
         const void *dg, *cg;
@@ -1281,6 +1291,80 @@ static void il_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, 
         }
     }
 }
+#if HAS_VNNI
+/* 8-bit interleaved rows (INTERLEAVED: chunk c of a block holds row i's codes 4 c .. 4 c + 3 in
+   lane i) against int8 activations: vpdpbusd takes the activations as unsigned bytes (q + 128,
+   packed by il8_pack then flipped) against the signed codes, and 128 x each row's block code sum,
+   computed once per group for every token, is taken off the integer sum. Per token and block:
+   8 dpbusd and one float step, no widening (the int16 activations' kernel widens every code to
+   int16 and runs 16 vpdpwssd). Without VNNI maddubs would saturate on 255 x 127 pairs, so those
+   CPUs keep 8-bit rows row-major in int8 mode (qmatmul.interleaved_for). */
+#define IL8B_TOKEN(t, acc) if (T > t) { \
+        const int64_t i = b * T + t; \
+        const int32_t *x4 = (const int32_t *)(xp + i * 32); \
+        __m256i s0 = _mm256_setzero_si256(), s1 = s0; \
+        for (int c = 0; c < 4; ++c) { \
+            s0 = dpbusd(s0, _mm256_set1_epi32(x4[c]), w[c]); \
+            s1 = dpbusd(s1, _mm256_set1_epi32(x4[4 + c]), w[4 + c]); } \
+        const __m256i s_ = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), k128); \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_), _mm256_mul_ps(d, _mm256_set1_ps(xd[i])), acc); \
+        if (cg) acc = _mm256_fmadd_ps(e, _mm256_set1_ps(xs[i]), acc); }
+static inline __attribute__((always_inline)) void il8b_tile(
+        const int T, const int SCL, const uint8_t *wg, const void *dg, const float *cg, const int32_t *corr,
+        int64_t nb, const int8_t *xp, const float *xd, const float *xs, __m256 *out) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *wb = wg + b * 256;
+        for (int l = 0; l < 4; ++l) _mm_prefetch((const char *)wb + PREFETCH_AHEAD + 64 * l, _MM_HINT_T0);
+        __m256i w[8];
+        for (int c = 0; c < 8; ++c) w[c] = _mm256_loadu_si256((const __m256i *)(wb + 32 * c));
+        const __m256 d = il_scales(dg, SCL, b), e = cg ? _mm256_loadu_ps(cg + b * 8) : _mm256_setzero_ps();
+        const __m256i k128 = _mm256_loadu_si256((const __m256i *)(corr + b * 8));
+        IL8B_TOKEN(0, a0) IL8B_TOKEN(1, a1) IL8B_TOKEN(2, a2) IL8B_TOKEN(3, a3)
+        IL8B_TOKEN(4, a4) IL8B_TOKEN(5, a5) IL8B_TOKEN(6, a6) IL8B_TOKEN(7, a7)
+    }
+    out[0] = a0; out[1] = a1; out[2] = a2; out[3] = a3; out[4] = a4; out[5] = a5; out[6] = a6; out[7] = a7;
+}
+#define IL8B_RUN(T) do { \
+        if (scl == SC_F16) il8b_tile(T, SC_F16, wg, dg, (const float *)cg, corr, nb, xt, pd, ps, o); \
+        else il8b_tile(T, SC_F32, wg, dg, (const float *)cg, corr, nb, xt, pd, ps, o); } while (0)
+/* Interleaved 8-bit rows [n0, n1) for M tokens of int8 codes (il8b_tile). */
+static void il8b_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, int64_t K, const int8_t *xq,
+                      const float *xd, const float *xs, int64_t M, float *y, int64_t ldy, int64_t n0, int64_t n1) {
+    const int64_t nb = K / 32;
+    int32_t *cpk;
+    float *pdk, *psk;
+    int8_t *xp = il8_packed(xq, xd, xs, M, K, &cpk, &pdk, &psk);
+    for (int64_t i = 0; i < M * K; ++i) xp[i] = (int8_t)((uint8_t)xp[i] ^ 0x80);  /* q + 128 as a byte */
+    int32_t *corr = (int32_t *)thread_scratch((size_t)(8 * nb));
+    const __m256i ones = _mm256_set1_epi8(1);
+    for (int64_t g = n0 >> 3; g * 8 < n1; ++g) {
+        const uint8_t *wg = wq + g * nb * 256;
+        const void *dg, *cg;
+        il_group_scales(wd, wc, scl, g, nb, &dg, &cg);
+        for (int64_t b = 0; b < nb; ++b) {  /* 128 x each row's code sum, per block */
+            __m256i sum = _mm256_setzero_si256();
+            for (int c = 0; c < 8; ++c) sum = dpbusd(sum, ones, _mm256_loadu_si256((const __m256i *)(wg + b * 256 + 32 * c)));
+            _mm256_storeu_si256((__m256i *)(corr + b * 8), _mm256_slli_epi32(sum, 7));
+        }
+        for (int64_t t0 = 0, T; t0 < M; t0 += T) {
+            T = M - t0 >= 8 ? 8 : M - t0 >= 4 ? 4 : M - t0 >= 2 ? 2 : 1;
+            const int8_t *xt = xp + t0 * K;
+            const float *pd = pdk + t0 * nb, *ps = psk + t0 * nb;
+            __m256 o[8];
+            if (T == 8) IL8B_RUN(8);
+            else if (T == 4) IL8B_RUN(4);
+            else if (T == 2) IL8B_RUN(2);
+            else IL8B_RUN(1);
+            for (int t = 0; t < T; ++t) {
+                float out[8];
+                _mm256_storeu_ps(out, o[t]);
+                il_store(out, 8, g, n0, n1, y + (t0 + t) * ldy);
+            }
+        }
+    }
+}
+#endif
 /* Interleaved rows [n0, n1) for M tokens of int16 activations, scales as stored (scl: SC_F32,
    SC_F16 or SC_K): group by group, up to IL_TOKENS tokens at a time (each block's codes unpacked
    once for them). */
@@ -1369,6 +1453,12 @@ static void il_rows(int act, int bits, const uint8_t *wq, const void *wd, const 
                 n1);
         return;
     }
+#if HAS_VNNI
+    if (act == ACT_INT8 && bits == 8 && (!half || HAS_F16C)) {
+        il8b_int8(wq, wd, half ? SC_F16 : SC_F32, wc, K, (const int8_t *)xq, xs + M * nb, xs, M, y, ldy, n0, n1);
+        return;
+    }
+#endif
     if (act == ACT_INT16 && (!(half || ks) || HAS_F16C)) {
         il_int16(bits, wq, wd, ks ? SC_K : half ? SC_F16 : SC_F32, wc, K, (const int16_t *)xq, xs + M * nb, xs, M, y, ldy,
                  n0, n1);
