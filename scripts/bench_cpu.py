@@ -18,8 +18,9 @@ Each configuration runs in a fresh process, so none sees another's caches or thr
 --rounds N: run every configuration and llama.cpp N times, interleaved (round 1: each of them once,
 then round 2, ...), so a machine whose speed drifts over minutes (a shared VM) moves all of them
 alike; each round starts one engine later than the one before, so no engine always runs first
-(on a busy VM the first run after the bandwidth read has come out up to 15% slow). The table shows each engine's median over the rounds, and the ratios to llama.cpp are the
-median of the ratios within each round (a configuration against the llama.cpp run beside it).
+(on a busy VM the first run after the bandwidth read has come out up to 15% slow). The table
+shows each engine's median over the rounds, and the ratios to llama.cpp are the median of the
+ratios within each round (a configuration against the llama.cpp run beside it).
 
 Two decode rates: `tok/s` is tokens over the wall time of the whole request (as recorded before
 issue 30); `decode-only` is the tokens after the first over the time after the first, the rate the

@@ -7,9 +7,10 @@ prefill-sized batches are compute-bound: either int8 activations against the cod
 (`prefill_int8`: kquant.matmul_int8, 8 rows at a time decoded into a copy every token uses), or
 the weight dequantized per call and one F.linear in `dense_dtype` (bfloat16 where the CPU has
 bfloat16 units; None: x's dtype), whichever tuning found faster
-(kvserve.kernels.tuning.tune_kquant_linears). A fused linear (q/k/v, gate/up) may
-hold parts of different K-quant types: each is a range of output rows. Without the C kernel, or off the CPU, the weight is dequantized once at build instead
-(path "dense"), as the loader did before these types were kept.
+(kvserve.kernels.tuning.tune_kquant_linears). A fused linear (q/k/v, gate/up) may hold parts of
+different K-quant types: each is a range of output rows. Without the C kernel, or off the CPU, the
+weight is dequantized once at build instead (path "dense"), as the loader did before these types
+were kept.
 """
 
 from __future__ import annotations

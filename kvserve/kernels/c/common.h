@@ -1,8 +1,9 @@
 /* Helpers every kernel source includes (the decode stack compiles several sources as one unit,
    hence the include guard): e^x that `omp simd` loops vectorize (libm's expf is one call per
-   element, most of the time of a softmax or SiLU), an AVX2 horizontal sum, two int16 dot
-   products summed (VNNI where it exists), float32 -> bfloat16 as torch rounds it (the dense
-   prefill paths' weights, dequantized straight into bfloat16), and an 8 x 8 transpose of 32-bit lanes. */
+   element, most of the time of a softmax or SiLU), an AVX2 horizontal sum, vpdpbusd where the
+   ISA level has it (dpbusd, HAS_VNNI), two int16 dot products summed (VNNI where it exists),
+   float32 -> bfloat16 as torch rounds it (the dense prefill paths' weights, dequantized straight
+   into bfloat16), and an 8 x 8 transpose of 32-bit lanes. */
 #ifndef KVSERVE_COMMON_H
 #define KVSERVE_COMMON_H
 #include <math.h>
@@ -16,6 +17,17 @@ static inline float hsum8(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+/* VNNI (AVX512-VNNI with VL, or AVX-VNNI): acc + in each int32 lane the sum of its 4 u8 x s8
+   products, in one instruction, exactly. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define HAS_VNNI 1
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+#define HAS_VNNI 1
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+#define HAS_VNNI 0
+#endif
 /* a0 . x0 + a1 . x1 in 8 int32 lanes (each the sum of 4 int16 products): vpdpwssd adds the second
    pair's products straight into the first's sums where VNNI exists (AVX512-VNNI with VL, or
    AVX-VNNI), a madd and an add elsewhere. The same integers either way. */

@@ -637,13 +637,9 @@ static void kq8_quantize(const float *x, int64_t ldx, int64_t M, int64_t K, uint
    VNNI two maddubs results are added in int16 before widening (each pair at most 2 x 255 x 32, two
    of them 32640 < 32767 for codes within [-32, 32]). The same integers either way. */
 static inline __m256i kq8_half(const int32_t *x4, const __m256i *w) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if HAS_VNNI
     __m256i s = _mm256_setzero_si256();
-    for (int c = 0; c < 4; ++c) s = _mm256_dpbusd_epi32(s, _mm256_set1_epi32(x4[c]), w[c]);
-    return s;
-#elif defined(__AVXVNNI__)
-    __m256i s = _mm256_setzero_si256();
-    for (int c = 0; c < 4; ++c) s = _mm256_dpbusd_avx_epi32(s, _mm256_set1_epi32(x4[c]), w[c]);
+    for (int c = 0; c < 4; ++c) s = dpbusd(s, _mm256_set1_epi32(x4[c]), w[c]);
     return s;
 #else
     const __m256i ones = _mm256_set1_epi16(1);

@@ -98,17 +98,6 @@ static inline __m256i load_codes(const uint8_t *wr, int64_t b, int bits) {
     if (bits == 4) return _mm256_sub_epi8(unpack_q4(wr + b * 16), _mm256_set1_epi8(8));
     return _mm256_loadu_si256((const __m256i *)(wr + b * 32));
 }
-/* VNNI (AVX512-VNNI with VL, or AVX-VNNI): acc + in each int32 lane the sum of its 4 u8 x s8
-   products, in one instruction, exactly. */
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define HAS_VNNI 1
-static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
-#elif defined(__AVXVNNI__)
-#define HAS_VNNI 1
-static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
-#else
-#define HAS_VNNI 0
-#endif
 /* 8 int32: each the sum of 4 adjacent u8 x s8 products (no product pair may exceed 32767). */
 static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #if HAS_VNNI
@@ -743,9 +732,10 @@ static inline __attribute__((always_inline)) void il8_tile(
         else if (scl == SC_F16) il8_tile(T, SC_F16, wg, dg, cg, nb, xp, cp, pd, ps, o); \
         else il8_tile(T, SC_F32, wg, dg, cg, nb, xp, cp, pd, ps, o); } while (0)
 /* int8 codes xq [M, K] (scales xd, exact sums xs [M, K/32]) packed for il8_tile: tokens in runs of
-   8, then of 4, 2 and 1 (the runs il_int8 takes), each run block by block. */
+   8, then of 4, 2 and 1 (the runs il_int8 takes), each run block by block; with flip, the codes as
+   unsigned bytes q + 128 (il8b_tile). */
 static void il8_pack(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, int8_t *xp,
-                     int32_t *cp, float *pd, float *ps) {
+                     int32_t *cp, float *pd, float *ps, int flip) {
     const int64_t nb = K / 32;
     for (int64_t t0 = 0, T; t0 < M; t0 += T) {
         T = M - t0 >= 8 ? 8 : M - t0 >= 4 ? 4 : M - t0 >= 2 ? 2 : 1;
@@ -755,7 +745,10 @@ static void il8_pack(const int8_t *xq, const float *xd, const float *xs, int64_t
                 const int8_t *src = xq + i * 32;
                 int32_t sum = 0;
                 for (int j = 0; j < 32; ++j) sum += src[j];
-                memcpy(xp + o * 32, src, 32);
+                if (flip)
+                    for (int j = 0; j < 32; ++j) xp[o * 32 + j] = (int8_t)((uint8_t)src[j] ^ 0x80);
+                else
+                    memcpy(xp + o * 32, src, 32);
                 cp[o] = 8 * sum;
                 pd[o] = xd[i];
                 ps[o] = xs[i];
@@ -1228,14 +1221,14 @@ static inline void il_group_scales(const void *wd, const void *wc, int scl, int6
           : (const void *)((const float *)wc + g * nb * 8);
 }
 /* il8_pack's output in this thread's scratch: the packed codes, and *cp, *pd, *ps beside them. */
-static int8_t *il8_packed(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, int32_t **cp,
-                          float **pd, float **ps) {
+static int8_t *il8_packed(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, int flip,
+                          int32_t **cp, float **pd, float **ps) {
     const int64_t nb = K / 32;
     int8_t *xp = (int8_t *)split_scratch((size_t)(M * K + 12 * M * nb));
     *cp = (int32_t *)(xp + M * K);
     *pd = (float *)(*cp + M * nb);
     *ps = *pd + M * nb;
-    il8_pack(xq, xd, xs, M, K, xp, *cp, *pd, *ps);
+    il8_pack(xq, xd, xs, M, K, xp, *cp, *pd, *ps, flip);
     return xp;
 }
 /* Interleaved 4-bit rows [n0, n1) for M tokens of int8 codes (il8_tile). */
@@ -1244,7 +1237,7 @@ static void il_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, 
     const int64_t nb = K / 32;
     int32_t *cpk;
     float *pdk, *psk;
-    int8_t *xp = il8_packed(xq, xd, xs, M, K, &cpk, &pdk, &psk);
+    int8_t *xp = il8_packed(xq, xd, xs, M, K, 0, &cpk, &pdk, &psk);
     for (int64_t g = n0 >> 3, step; g * 8 < n1; g += step) {
         const uint8_t *wg = wq + g * nb * 128;
         const void *dg, *cg;
@@ -1294,7 +1287,7 @@ static void il_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, 
 #if HAS_VNNI
 /* 8-bit interleaved rows (INTERLEAVED: chunk c of a block holds row i's codes 4 c .. 4 c + 3 in
    lane i) against int8 activations: vpdpbusd takes the activations as unsigned bytes (q + 128,
-   packed by il8_pack then flipped) against the signed codes, and 128 x each row's block code sum,
+   packed so by il8_pack) against the signed codes, and 128 x each row's block code sum,
    computed once per group for every token, is taken off the integer sum. Per token and block:
    8 dpbusd and one float step, no widening (the int16 activations' kernel widens every code to
    int16 and runs 16 vpdpwssd). Without VNNI maddubs would saturate on 255 x 127 pairs, so those
@@ -1334,8 +1327,7 @@ static void il8b_int8(const uint8_t *wq, const void *wd, int scl, const void *wc
     const int64_t nb = K / 32;
     int32_t *cpk;
     float *pdk, *psk;
-    int8_t *xp = il8_packed(xq, xd, xs, M, K, &cpk, &pdk, &psk);
-    for (int64_t i = 0; i < M * K; ++i) xp[i] = (int8_t)((uint8_t)xp[i] ^ 0x80);  /* q + 128 as a byte */
+    int8_t *xp = il8_packed(xq, xd, xs, M, K, 1, &cpk, &pdk, &psk);
     int32_t *corr = (int32_t *)thread_scratch((size_t)(8 * nb));
     const __m256i ones = _mm256_set1_epi8(1);
     for (int64_t g = n0 >> 3; g * 8 < n1; ++g) {
