@@ -1,5 +1,6 @@
 """The `cpu` attention backend: the torch backend with compiled C kernels (kvserve/kernels/paged_attention.py) for
-paged decode attention, the fp8 KV write and the fp8 KV read of prefills.
+paged decode attention, prefill attention over float32 pages, the fp8 KV write and the fp8 KV read
+of prefills.
 
 Each kernel is used where it applies (a CPU tensor of a dtype it handles, a kernel that built
 on this machine) and the torch backend's own step everywhere else, so it runs without a C
@@ -30,6 +31,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         nd = q.shape[0]
         out.copy_(paged_attention.paged_decode(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_tensor[:nd],
                                           max(meta.seq_lens[:nd]), scale, k_scale, v_scale))
+
+    def _prefills(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float,
+                  v_scale: float, out: torch.Tensor) -> None:
+        if not paged_attention.supports_prefill(q, k_cache):
+            return super()._prefills(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale, out)
+        starts = torch.tensor(meta.query_start_loc, dtype=torch.int64)
+        paged_attention.paged_prefill(q, k_cache, v_cache, meta.block_tables, starts, meta.seq_lens_tensor,
+                                      meta.num_decodes, meta.num_reqs, scale, meta.query_positions, out)
 
     def _write_fp8(self, cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float) -> None:
         if paged_attention.supports_write(cache, x):

@@ -45,7 +45,15 @@ class TorchAttentionBackend(AttentionBackend):
         nd = meta.num_decodes
         if nd:
             self._decodes(q[:nd], k_cache, v_cache, meta, scale, k_scale, v_scale, out[:nd])
-        for i in range(nd, meta.num_reqs):
+        if nd < meta.num_reqs:
+            self._prefills(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale, out)
+        return out
+
+    def _prefills(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float,
+                  v_scale: float, out: torch.Tensor) -> None:
+        """Into out: the rows of requests num_decodes.. (prefill chunks), causal over each one's context
+        (the cpu backend's C kernel)."""
+        for i in range(meta.num_decodes, meta.num_reqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             seq_len = meta.seq_lens[i]
             qpos = None if meta.query_positions is None else meta.query_positions[start:end]
@@ -56,7 +64,6 @@ class TorchAttentionBackend(AttentionBackend):
                 kk = self._gather(k_cache, ids, q.dtype, k_scale)[:seq_len]
                 vv = self._gather(v_cache, ids, q.dtype, v_scale)[:seq_len]
             out[start:end] = _prefill(q[start:end], kk, vv, seq_len, scale, qpos)
-        return out
 
     def _decodes(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float,
                  v_scale: float, out: torch.Tensor) -> None:

@@ -27,6 +27,8 @@ _SIGNATURES = {
                      _int],
     "dequant_blocks": [_vp, _vp, _i64, _i64, _f32, _vp, _int, _int],
     "write_fp8": [_vp, _int, _i64, _vp, _i64, _i64, _f32, _vp],
+    "paged_prefill": [_vp, _i64, _vp, _vp, _vp, _vp, _i64, _vp, _vp, _vp, _i64, _i64, _i64, _i64, _i64, _i64, _f32,
+                      _int],
 }
 
 
@@ -42,6 +44,8 @@ def load_kernel() -> ctypes.CDLL | None:
         _tried = True
         wide = ("-mprefer-vector-width=512",) if cpu.isa_level().startswith("avx512") else ()
         _lib = build.load_library("paged_decode", "paged_attention.c", _SIGNATURES, wide)
+        if _lib is not None:
+            _lib.prefill_vector_width.restype = ctypes.c_int64
     return _lib
 
 
@@ -116,3 +120,32 @@ def write_fp8(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: 
         slots = slots.to(torch.int64).contiguous()
     lib.write_fp8(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), slots.data_ptr(), slots.numel(),
                   width, 1.0 / scale, cache.data_ptr())
+
+
+def supports_prefill(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """paged_prefill handles these: float32 queries and a float32 cache on the CPU, a head size that
+    is a whole number of the kernel's vectors, and vector units (at the generic level, SSE2 or
+    another architecture's 16-byte vectors, torch's SDPA is faster)."""
+    lib = load_kernel()
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+            and lib is not None and cpu.isa_level() != "generic" and q.shape[-1] % lib.prefill_vector_width() == 0
+            and q.stride(-1) == 1 and q.stride(1) == q.shape[-1])
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  starts: torch.Tensor, seq_lens: torch.Tensor, first: int, last: int, scale: float,
+                  positions: torch.Tensor | None, out: torch.Tensor) -> None:
+    """Causal attention of requests [first, last) of a flat batch into their rows of out [T, Hq, D].
+
+    q [T, Hq, D] float32 (token rows may sit apart: a view of the fused qkv output); request i's query
+    tokens are rows [starts[i], starts[i + 1]) at positions[...] (None: the last ones of its
+    seq_lens[i] positions); K/V caches [blocks, block_size, Hkv, D] float32 already hold every
+    position up to each query's own. Rows of out outside those requests are left alone."""
+    lib = load_kernel()
+    assert lib is not None and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+    tables, starts, seq_lens = (t.to(torch.int64).contiguous() for t in (block_tables, starts, seq_lens))
+    pos = None if positions is None else positions.to(torch.int64).contiguous()
+    lib.paged_prefill(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                      tables.data_ptr(), tables.shape[1], starts.data_ptr(), seq_lens.data_ptr(),
+                      None if pos is None else pos.data_ptr(), first, last, q.shape[1], k_cache.shape[2],
+                      q.shape[2], k_cache.shape[1], scale, torch.get_num_threads())

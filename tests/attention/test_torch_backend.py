@@ -14,7 +14,7 @@ BS, HQ, D = 4, 8, 8
 
 def reference(q, k, v, scale, HKV):
     """Causal attention of the last q.shape[0] positions over the full k/v."""
-    L, Q = k.shape[0], q.shape[0]
+    L, Q, HQ = k.shape[0], q.shape[0], q.shape[1]
     k = k.repeat_interleave(HQ // HKV, 1)
     v = v.repeat_interleave(HQ // HKV, 1)
     s = torch.einsum("qhd,khd->hqk", q, k) * scale
@@ -27,6 +27,24 @@ def reference(q, k, v, scale, HKV):
 @pytest.mark.parametrize("HKV", [2, 8])  # both torch decode layouts: all-pairs (few KV heads) and transposed
 @pytest.mark.parametrize("c_kernel", [True, False])
 def test_mixed_batch_matches_reference(seed, HKV, c_kernel):
+    _mixed_batch(seed, HKV, c_kernel, D)
+
+
+def test_c_prefill_kernel_in_a_mixed_batch(monkeypatch):
+    """With a head size the prefill kernel takes (64), the cpu backend runs every prefill chunk of
+    the batch through it in one call, and the batch still matches the reference."""
+    from kvserve.kernels import cpu, paged_attention
+
+    if cpu.isa_level() == "generic" or paged_attention.load_kernel() is None:
+        pytest.skip("the prefill kernel is used at the AVX2 levels and up")
+    calls = []
+    real = paged_attention.paged_prefill
+    monkeypatch.setattr(paged_attention, "paged_prefill", lambda *a: calls.append(a[6:8]) or real(*a))
+    _mixed_batch(0, 2, True, 64)
+    assert calls == [(6, 9)]  # requests 6..8: the three prefill chunks
+
+
+def _mixed_batch(seed, HKV, c_kernel, D):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_blocks = 64

@@ -72,7 +72,8 @@ def _assert_greedy_close(fp8_outs, auto_outs) -> int:
 @pytest.mark.parametrize("budget", [2048, 8, 1])
 def test_prompt_logprobs_close_to_auto(model_dir, budget):
     """Teacher-forced, so no sampled token can diverge. One step per prompt reads no cached K/V:
-    identical to auto. Chunks of 8 read earlier chunks back through the prefill gather, one token a
+    the same as auto up to float rounding (auto's float32 pages go through the C prefill kernel, the
+    fp8 run's fresh K/V through torch's SDPA: no quantization either way). Chunks of 8 read earlier chunks back through the prefill gather, one token a
     step through the decode kernel: within the stated tolerance, and measurably quantized."""
     prompts = _prompts()
     auto = _prompt_logprobs(_llm(model_dir, "auto", max_num_batched_tokens=budget), prompts)
@@ -80,7 +81,7 @@ def test_prompt_logprobs_close_to_auto(model_dir, budget):
     diffs = torch.tensor(fp8) - torch.tensor(auto)
     assert len(diffs) == sum(len(p) - 1 for p in prompts)
     if budget == 2048:
-        assert torch.equal(diffs, torch.zeros_like(diffs))
+        assert float(diffs.abs().max()) < 1e-5, float(diffs.abs().max())
         return
     mean = float(diffs.abs().mean())
     assert float(diffs.abs().max()) < MAX_LP_DIFF and 1e-3 < mean < MEAN_LP_DIFF, (float(diffs.abs().max()), mean)

@@ -280,3 +280,212 @@ void dequant_blocks(const uint8_t *cache, const int64_t *ids, int64_t n, int64_t
         free(row);
     }
 }
+
+/* ---- Prefill attention (flash attention on the CPU) ----
+   Causal attention of a prefill chunk's query tokens over their request's paged K/V (the cached
+   context and the chunk's own, written before), float32, read in place: no gather into a
+   contiguous copy, no mask tensor, and the key chunks past every query of a tile are skipped.
+   A task is one kv head of a request and a tile of TQ query tokens: its M = TQ * g query rows
+   (token-major; g query heads share the kv head) go through the keys FA_N at a time with an online
+   softmax (Dao et al. 2022). Scores are computed transposed, S[n][m] = k_n . q_m, so each key's
+   element is one broadcast against query rows that sit in vector lanes (Qt [D][M], packed once per
+   tile with the softmax scale folded in), and the softmax's max, exp and sums run down the columns
+   vectorized across query rows. Register tiles: FA_R keys x 2 vectors of query rows for S, FA_R2
+   query rows x FA_DV vectors of D for O += P V. Written with GCC vector extensions: one source
+   for every ISA level, the width from the level. */
+#if defined(__AVX512F__)
+#define FA_VW 16
+#define FA_R 8
+#define FA_DV 4
+#elif defined(__AVX2__)
+#define FA_VW 8
+#define FA_R 6
+#define FA_DV 2
+#else
+#define FA_VW 4
+#define FA_R 4
+#define FA_DV 2
+#endif
+#define FA_R2 4
+#ifndef FA_MV
+#define FA_MV 4
+#endif
+#define FA_N (FA_R * 8)  /* keys per chunk */
+typedef float fa_vec __attribute__((vector_size(FA_VW * 4), aligned(4), may_alias));
+static inline fa_vec fa_load(const float *p) { return *(const fa_vec *)p; }
+static inline void fa_store(float *p, fa_vec v) { *(fa_vec *)p = v; }
+static inline fa_vec fa_splat(float x) { return (fa_vec){0} + x; }
+
+/* S[n][c..c + 2 VW) for the FA_R keys n0.. of kc [FA_N][d]: sum over e of kc[n][e] qt[e][c..]. */
+static inline __attribute__((always_inline)) void fa_scores(const float *kc, const float *qt, int64_t m, int64_t d,
+                                                            int64_t n0, int64_t c, float *s) {
+    fa_vec acc[FA_R][2];
+    for (int r = 0; r < FA_R; ++r) acc[r][0] = acc[r][1] = fa_splat(0.f);
+    for (int64_t e = 0; e < d; ++e) {
+        const fa_vec q0 = fa_load(qt + e * m + c), q1 = fa_load(qt + e * m + c + FA_VW);
+        #pragma GCC unroll 16
+        for (int r = 0; r < FA_R; ++r) {
+            const fa_vec k = fa_splat(kc[(n0 + r) * d + e]);
+            acc[r][0] += k * q0;
+            acc[r][1] += k * q1;
+        }
+    }
+    for (int r = 0; r < FA_R; ++r) {
+        fa_store(s + (n0 + r) * m + c, acc[r][0]);
+        fa_store(s + (n0 + r) * m + c + FA_VW, acc[r][1]);
+    }
+}
+/* o[m0 + r][e0 .. e0 + DV VW) += sum over the n keys of p[n][m0 + r] vc[n][e0 ..], r < FA_R2. */
+static inline __attribute__((always_inline)) void fa_pv(const int DV, const float *p, int64_t m, int64_t m0,
+                                                        const float *vc, int64_t d, int64_t e0, int64_t n, float *o) {
+    fa_vec acc[FA_R2][FA_DV];
+    for (int r = 0; r < FA_R2; ++r)
+        for (int c = 0; c < DV; ++c) acc[r][c] = fa_load(o + (m0 + r) * d + e0 + c * FA_VW);
+    for (int64_t t = 0; t < n; ++t) {
+        fa_vec v[FA_DV];
+        for (int c = 0; c < DV; ++c) {
+            v[c] = fa_load(vc + t * d + e0 + c * FA_VW);
+#if defined(__x86_64__)
+            __asm__("" : "+v"(v[c]));  /* loaded once into a register, not once per row as an FMA operand */
+#endif
+        }
+        #pragma GCC unroll 8
+        for (int r = 0; r < FA_R2; ++r) {
+            const fa_vec w = fa_splat(p[t * m + m0 + r]);
+            for (int c = 0; c < DV; ++c) acc[r][c] += w * v[c];
+        }
+    }
+    for (int r = 0; r < FA_R2; ++r)
+        for (int c = 0; c < DV; ++c) fa_store(o + (m0 + r) * d + e0 + c * FA_VW, acc[r][c]);
+}
+
+/* Scratch floats of one thread for rows of m query rows and head size d. */
+static inline int64_t fa_scratch_floats(int64_t m, int64_t d) { return d * m + FA_N * m + m * d + 2 * FA_N * d + 4 * m; }
+
+/* One task: kv head h, query tokens tok[0 .. nt) (rows of q at q_stride floats; their positions
+   pos[]), each with the g query heads h * g ..; keys at positions 0 .. max pos through the block
+   table. Writes those heads' rows of out (hq * d floats per token). */
+static void fa_tile(const float *q, int64_t q_stride, const int64_t *tok, const int64_t *pos, int64_t nt,
+                    const float *k_cache, const float *v_cache, const int64_t *table, int64_t block_size,
+                    int64_t hq, int64_t hkv, int64_t d, int64_t h, int64_t m, float scale, float *out,
+                    float *scratch) {
+    const int64_t g = hq / hkv, rows = nt * g, width = hkv * d;
+    float *qt = scratch, *s = qt + d * m, *o = s + FA_N * m, *kc = o + m * d, *vc = kc + FA_N * d;
+    float *mx = vc + FA_N * d, *l = mx + m, *alpha = l + m, *qp = alpha + m;
+    int64_t lo = pos[0], hi = pos[0];
+    for (int64_t t = 0; t < nt; ++t) { lo = pos[t] < lo ? pos[t] : lo; hi = pos[t] > hi ? pos[t] : hi; }
+    for (int64_t r = 0; r < m; ++r) {  /* padded rows: zero queries that see every key */
+        const int64_t t = r / g, j = r % g;
+        qp[r] = r < rows ? (float)pos[t] : (float)hi;
+        for (int64_t e = 0; e < d; ++e)
+            qt[e * m + r] = r < rows ? q[tok[t] * q_stride + (h * g + j) * d + e] * scale : 0.f;
+        mx[r] = -INFINITY;
+        l[r] = 0.f;
+    }
+    memset(o, 0, sizeof(float) * m * d);
+    const int64_t len = hi + 1;
+    for (int64_t k0 = 0; k0 < len; k0 += FA_N) {
+        const int64_t n = len - k0 < FA_N ? len - k0 : FA_N, np = (n + FA_R - 1) / FA_R * FA_R;
+        for (int64_t t = 0; t < np; ++t) {
+            float *kd = kc + t * d, *vd = vc + t * d;
+            if (t < n) {
+                const int64_t p = k0 + t, idx = (table[p / block_size] * block_size + p % block_size) * width + h * d;
+                memcpy(kd, k_cache + idx, sizeof(float) * d);
+                memcpy(vd, v_cache + idx, sizeof(float) * d);
+            } else {
+                memset(kd, 0, sizeof(float) * d);
+                memset(vd, 0, sizeof(float) * d);
+            }
+        }
+        for (int64_t n0 = 0; n0 < np; n0 += FA_R)
+            for (int64_t c = 0; c < m; c += 2 * FA_VW) fa_scores(kc, qt, m, d, n0, c, s);
+        if (k0 + np - 1 > lo)  /* some key of the chunk lies past some query: mask it */
+            for (int64_t t = 0; t < np; ++t) {
+                const float kp = (float)(k0 + t);
+                float *st = s + t * m;
+                #pragma omp simd
+                for (int64_t r = 0; r < m; ++r) st[r] = kp > qp[r] ? -INFINITY : st[r];
+            }
+        #pragma omp simd
+        for (int64_t r = 0; r < m; ++r) alpha[r] = mx[r];
+        for (int64_t t = 0; t < np; ++t) {
+            const float *st = s + t * m;
+            #pragma omp simd
+            for (int64_t r = 0; r < m; ++r) mx[r] = st[r] > mx[r] ? st[r] : mx[r];
+        }
+        #pragma omp simd
+        for (int64_t r = 0; r < m; ++r) alpha[r] = vexpf(alpha[r] - mx[r]);
+        #pragma omp simd
+        for (int64_t r = 0; r < m; ++r) l[r] *= alpha[r];
+        for (int64_t t = 0; t < np; ++t) {
+            float *st = s + t * m;
+            #pragma omp simd
+            for (int64_t r = 0; r < m; ++r) { st[r] = vexpf(st[r] - mx[r]); l[r] += st[r]; }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            #pragma omp simd
+            for (int64_t e = 0; e < d; ++e) o[r * d + e] *= alpha[r];
+        }
+        const int64_t rows4 = (rows + FA_R2 - 1) / FA_R2 * FA_R2;
+        for (int64_t m0 = 0; m0 < rows4; m0 += FA_R2) {
+            int64_t e0 = 0;
+            for (; e0 + FA_DV * FA_VW <= d; e0 += FA_DV * FA_VW) fa_pv(FA_DV, s, m, m0, vc, d, e0, np, o);
+            for (; e0 < d; e0 += FA_VW) fa_pv(1, s, m, m0, vc, d, e0, np, o);
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t t = r / g, j = r % g;
+        const float inv = 1.f / l[r];
+        float *dst = out + tok[t] * hq * d + (h * g + j) * d;
+        #pragma omp simd
+        for (int64_t e = 0; e < d; ++e) dst[e] = o[r * d + e] * inv;
+    }
+}
+
+/* Rows of query tokens per tile for g heads per kv head: M = tile_tokens * g rows, padded to a
+   multiple of 2 vectors. */
+int64_t prefill_tile_tokens(int64_t g) { return g >= FA_MV * FA_VW ? 1 : FA_MV * FA_VW / g; }
+int64_t prefill_vector_width(void) { return FA_VW; }
+
+/* Prefill attention of requests [r0, r1) of a flat batch. q [T, hq, d] float32 (token rows q_stride
+   floats apart), out [T, hq, d] contiguous; request i's query tokens are [starts[i], starts[i + 1]),
+   at positions pos[starts[i] ..] (pos NULL: the last ones of its seq_lens[i] positions); K/V are
+   float32 caches [blocks, block_size, hkv, d] that hold every position up to each query's own. */
+void paged_prefill(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache, float *out,
+                   const int64_t *tables, int64_t table_stride, const int64_t *starts, const int64_t *seq_lens,
+                   const int64_t *pos, int64_t r0, int64_t r1, int64_t hq, int64_t hkv, int64_t d,
+                   int64_t block_size, float scale, int num_threads) {
+    const int64_t g = hq / hkv, tq = prefill_tile_tokens(g);
+    const int64_t m = (tq * g + 2 * FA_VW - 1) / (2 * FA_VW) * (2 * FA_VW);
+    int64_t ntasks = 0, ntok = starts[r1] - starts[r0];
+    for (int64_t i = r0; i < r1; ++i) ntasks += (starts[i + 1] - starts[i] + tq - 1) / tq * hkv;
+    int64_t *task = malloc(sizeof(int64_t) * 3 * (ntasks + 1)), *tok = malloc(sizeof(int64_t) * (ntok + 1));
+    int64_t *tpos = malloc(sizeof(int64_t) * (ntok + 1));
+    int64_t nt = 0;
+    /* Longest contexts last in each request (its latest tiles), so the dynamic schedule takes the
+       costliest tiles first: tasks listed from the last tile down. */
+    for (int64_t i = r0; i < r1; ++i) {
+        const int64_t a = starts[i], b = starts[i + 1];
+        for (int64_t t = a; t < b; ++t) {
+            tok[t - starts[r0]] = t;
+            tpos[t - starts[r0]] = pos ? pos[t] : seq_lens[i] - (b - a) + (t - a);
+        }
+        for (int64_t t0 = a + (b - a - 1) / tq * tq; t0 >= a; t0 -= tq)
+            for (int64_t h = 0; h < hkv; ++h, ++nt) {
+                task[3 * nt] = i; task[3 * nt + 1] = t0; task[3 * nt + 2] = h;
+            }
+    }
+    #pragma omp parallel num_threads(num_threads)
+    {
+        float *scratch = malloc(sizeof(float) * fa_scratch_floats(m, d));
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t x = 0; x < ntasks; ++x) {
+            const int64_t i = task[3 * x], t0 = task[3 * x + 1], h = task[3 * x + 2];
+            const int64_t n = starts[i + 1] - t0 < tq ? starts[i + 1] - t0 : tq, off = t0 - starts[r0];
+            fa_tile(q, q_stride, tok + off, tpos + off, n, k_cache, v_cache, tables + i * table_stride, block_size,
+                    hq, hkv, d, h, m, scale, out, scratch);
+        }
+        free(scratch);
+    }
+    free(task); free(tok); free(tpos);
+}
