@@ -1,6 +1,6 @@
 """The `cpu` attention backend: the torch backend with compiled C kernels (kvserve/kernels/paged_attention.py) for
-paged decode attention, prefill attention over float32 pages, the fp8 KV write and the fp8 KV read
-of prefills.
+paged decode and prefill attention, the fp8 KV write, and the fp8 KV read of prefills where the
+prefill kernel does not apply.
 
 Each kernel is used where it applies (a CPU tensor of a dtype it handles, a kernel that built
 on this machine) and the torch backend's own step everywhere else, so it runs without a C

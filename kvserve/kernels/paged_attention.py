@@ -27,8 +27,8 @@ _SIGNATURES = {
                      _int],
     "dequant_blocks": [_vp, _vp, _i64, _i64, _f32, _vp, _int, _int],
     "write_fp8": [_vp, _int, _i64, _vp, _i64, _i64, _f32, _vp],
-    "paged_prefill": [_vp, _i64, _vp, _vp, _vp, _vp, _i64, _vp, _vp, _vp, _i64, _i64, _i64, _i64, _i64, _i64, _f32,
-                      _int],
+    "paged_prefill": [_vp, _int, _i64, _vp, _vp, _int, _vp, _vp, _i64, _vp, _vp, _vp, _i64, _i64, _i64, _i64, _i64,
+                      _i64, _f32, _int],
 }
 
 
@@ -123,13 +123,13 @@ def write_fp8(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: 
 
 
 def supports_prefill(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """paged_prefill handles these: float32 queries and a float32 cache on the CPU, a head size that
-    is a whole number of the kernel's vectors, and vector units (at the generic level, SSE2 or
-    another architecture's 16-byte vectors, torch's SDPA is faster)."""
-    lib = load_kernel()
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
-            and lib is not None and cpu.isa_level() != "generic" and q.shape[-1] % lib.prefill_vector_width() == 0
-            and q.stride(-1) == 1 and q.stride(1) == q.shape[-1])
+    """paged_prefill handles these: float32 or bfloat16 queries over a cache of their dtype (an fp8
+    cache keeps the torch path, where a prefill without cached context attends to its unquantized
+    K/V), a head size that is a whole number of the kernel's vectors, query heads dense within a
+    token, and vector units (at the generic level, SSE2 or another architecture's 16-byte vectors,
+    torch's SDPA is faster)."""
+    return (supports(q, k_cache) and k_cache.dtype == q.dtype and cpu.isa_level() != "generic"
+            and q.shape[-1] % _lib.prefill_vector_width() == 0 and q.stride(-1) == 1 and q.stride(1) == q.shape[-1])
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -137,15 +137,18 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   positions: torch.Tensor | None, out: torch.Tensor) -> None:
     """Causal attention of requests [first, last) of a flat batch into their rows of out [T, Hq, D].
 
-    q [T, Hq, D] float32 (token rows may sit apart: a view of the fused qkv output); request i's query
-    tokens are rows [starts[i], starts[i + 1]) at positions[...] (None: the last ones of its
-    seq_lens[i] positions); K/V caches [blocks, block_size, Hkv, D] float32 already hold every
-    position up to each query's own. Rows of out outside those requests are left alone."""
+    q [T, Hq, D] float32 or bfloat16 (token rows may sit apart: a view of the fused qkv output), out
+    of its dtype; request i's query tokens are rows [starts[i], starts[i + 1]) at positions[...]
+    (None: the last ones of its seq_lens[i] positions); the caches [blocks, block_size, Hkv, D] hold
+    q's dtype and already every position up to each query's own. Rows of out outside those
+    requests are left alone."""
     lib = load_kernel()
-    assert lib is not None and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert lib is not None and out.is_contiguous() and out.dtype == q.dtype == k_cache.dtype
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
     tables, starts, seq_lens = (t.to(torch.int64).contiguous() for t in (block_tables, starts, seq_lens))
     pos = None if positions is None else positions.to(torch.int64).contiguous()
-    lib.paged_prefill(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-                      tables.data_ptr(), tables.shape[1], starts.data_ptr(), seq_lens.data_ptr(),
-                      None if pos is None else pos.data_ptr(), first, last, q.shape[1], k_cache.shape[2],
-                      q.shape[2], k_cache.shape[1], scale, torch.get_num_threads())
+    lib.paged_prefill(q.data_ptr(), int(q.dtype == torch.bfloat16), q.stride(0), k_cache.data_ptr(),
+                      v_cache.data_ptr(), ROW_KIND[k_cache.dtype], out.data_ptr(), tables.data_ptr(), tables.shape[1],
+                      starts.data_ptr(), seq_lens.data_ptr(), None if pos is None else pos.data_ptr(), first, last,
+                      q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale,
+                      torch.get_num_threads())

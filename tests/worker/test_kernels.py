@@ -250,9 +250,10 @@ def _causal_reference(q, kc, vc, table, seq_len, scale, positions):
 def check_paged_prefill() -> list[str]:
     """paged_prefill against float64 attention: heads per kv head 1 to 24 (one tile of query rows
     holding one token up to many), head sizes that are 1 to 8 vectors, block sizes that do not
-    divide the 64-key chunks, a request without cached context, one long enough for many chunks
+    divide the key chunks, a request without cached context, one long enough for many chunks
     and tiles, one token alone, query positions given (a blend's) and not, strided queries (a view
-    of a fused qkv output)."""
+    of a fused qkv output); and bfloat16 queries and pages (against the same attention of their
+    values, to bfloat16's rounding of the output)."""
     bad = []
     width = paged_attention.load_kernel().prefill_vector_width()
     g = torch.Generator().manual_seed(0)
@@ -272,20 +273,22 @@ def check_paged_prefill() -> list[str]:
         q = qkv[:, :hq]
         starts = torch.tensor([0] + [sum(n for _, n in shapes[:i + 1]) for i in range(len(shapes))])
         lens = torch.tensor([c + n for c, n in shapes])
-        for given in (False, True):
+        for given, dtype in ((False, torch.float32), (True, torch.float32), (True, torch.bfloat16)):
             pos = torch.cat([torch.randint(0, c + n, (n,), generator=g) if given else torch.arange(c, c + n)
                              for c, n in shapes])
-            out = torch.full((tokens, hq, d), float("nan"))
-            paged_attention.paged_prefill(q, kc, vc, tables, starts, lens, 1, len(shapes), d ** -0.5,
+            qx, kx, vx = (x.to(dtype) for x in (q, kc, vc))
+            out = torch.full((tokens, hq, d), float("nan"), dtype=dtype)
+            paged_attention.paged_prefill(qx, kx, vx, tables, starts, lens, 1, len(shapes), d ** -0.5,
                                           pos if given else None, out)
             if not torch.isnan(out[:starts[1]]).all():
                 bad.append(f"prefill {hq}/{hkv}x{d}: wrote rows of a request it was not given")
+            tol = 1e-5 if dtype == torch.float32 else 8e-3
             for i, (c, n) in enumerate(shapes[1:], 1):
                 rows = slice(int(starts[i]), int(starts[i + 1]))
-                ref = _causal_reference(q[rows], kc, vc, tables[i], c + n, d ** -0.5, pos[rows])
-                if not torch.allclose(out[rows], ref, atol=1e-5, rtol=1e-5):
-                    bad.append(f"prefill {hq}/{hkv}x{d} bs {bs} request {i} positions given {given}: "
-                               f"{float((out[rows] - ref).abs().max()):.2e}")
+                ref = _causal_reference(qx[rows], kx, vx, tables[i], c + n, d ** -0.5, pos[rows])
+                if not torch.allclose(out[rows].float(), ref, atol=tol, rtol=tol):
+                    bad.append(f"prefill {hq}/{hkv}x{d} bs {bs} request {i} positions given {given} {dtype}: "
+                               f"{float((out[rows].float() - ref).abs().max()):.2e}")
     return bad
 
 

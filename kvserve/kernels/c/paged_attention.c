@@ -283,7 +283,8 @@ void dequant_blocks(const uint8_t *cache, const int64_t *ids, int64_t n, int64_t
 
 /* ---- Prefill attention (flash attention on the CPU) ----
    Causal attention of a prefill chunk's query tokens over their request's paged K/V (the cached
-   context and the chunk's own, written before), float32, read in place: no gather into a
+   context and the chunk's own, written before), read from the pages (float32 or bfloat16, each
+   chunk's rows converted to float32 as they are copied): no gather of the context into a
    contiguous copy, no mask tensor, and the key chunks past every query of a tile are skipped.
    A task is one kv head of a request and a tile of TQ query tokens: its M = TQ * g query rows
    (token-major; g query heads share the kv head) go through the keys FA_N at a time with an online
@@ -365,9 +366,9 @@ static inline int64_t fa_scratch_floats(int64_t m, int64_t d) { return d * m + F
 /* One task: kv head h, query tokens tok[0 .. nt) (rows of q at q_stride floats; their positions
    pos[]), each with the g query heads h * g ..; keys at positions 0 .. max pos through the block
    table. Writes those heads' rows of out (hq * d floats per token). */
-static void fa_tile(const float *q, int64_t q_stride, const int64_t *tok, const int64_t *pos, int64_t nt,
-                    const float *k_cache, const float *v_cache, const int64_t *table, int64_t block_size,
-                    int64_t hq, int64_t hkv, int64_t d, int64_t h, int64_t m, float scale, float *out,
+static void fa_tile(const void *q, int q_bf16, int64_t q_stride, const int64_t *tok, const int64_t *pos, int64_t nt,
+                    const void *k_cache, const void *v_cache, int kv_kind, const int64_t *table, int64_t block_size,
+                    int64_t hq, int64_t hkv, int64_t d, int64_t h, int64_t m, float scale, void *out,
                     float *scratch) {
     const int64_t g = hq / hkv, rows = nt * g, width = hkv * d;
     float *qt = scratch, *s = qt + d * m, *o = s + FA_N * m, *kc = o + m * d, *vc = kc + FA_N * d;
@@ -377,8 +378,10 @@ static void fa_tile(const float *q, int64_t q_stride, const int64_t *tok, const 
     for (int64_t r = 0; r < m; ++r) {  /* padded rows: zero queries that see every key */
         const int64_t t = r / g, j = r % g;
         qp[r] = r < rows ? (float)pos[t] : (float)hi;
+        const int64_t at = tok[t] * q_stride + (h * g + j) * d;
         for (int64_t e = 0; e < d; ++e)
-            qt[e * m + r] = r < rows ? q[tok[t] * q_stride + (h * g + j) * d + e] * scale : 0.f;
+            qt[e * m + r] = r >= rows ? 0.f
+                            : (q_bf16 ? bf16_to_f32(((const uint16_t *)q)[at + e]) : ((const float *)q)[at + e]) * scale;
         mx[r] = -INFINITY;
         l[r] = 0.f;
     }
@@ -390,8 +393,8 @@ static void fa_tile(const float *q, int64_t q_stride, const int64_t *tok, const 
             float *kd = kc + t * d, *vd = vc + t * d;
             if (t < n) {
                 const int64_t p = k0 + t, idx = (table[p / block_size] * block_size + p % block_size) * width + h * d;
-                memcpy(kd, k_cache + idx, sizeof(float) * d);
-                memcpy(vd, v_cache + idx, sizeof(float) * d);
+                load_row(k_cache, idx, d, kv_kind, kd);
+                load_row(v_cache, idx, d, kv_kind, vd);
             } else {
                 memset(kd, 0, sizeof(float) * d);
                 memset(vd, 0, sizeof(float) * d);
@@ -434,11 +437,16 @@ static void fa_tile(const float *q, int64_t q_stride, const int64_t *tok, const 
         }
     }
     for (int64_t r = 0; r < rows; ++r) {
-        const int64_t t = r / g, j = r % g;
+        const int64_t t = r / g, j = r % g, at = tok[t] * hq * d + (h * g + j) * d;
         const float inv = 1.f / l[r];
-        float *dst = out + tok[t] * hq * d + (h * g + j) * d;
-        #pragma omp simd
-        for (int64_t e = 0; e < d; ++e) dst[e] = o[r * d + e] * inv;
+        if (q_bf16) {
+            uint16_t *dst = (uint16_t *)out + at;
+            for (int64_t e = 0; e < d; ++e) dst[e] = f32_to_bf16(o[r * d + e] * inv);
+        } else {
+            float *dst = (float *)out + at;
+            #pragma omp simd
+            for (int64_t e = 0; e < d; ++e) dst[e] = o[r * d + e] * inv;
+        }
     }
 }
 
@@ -447,14 +455,15 @@ static void fa_tile(const float *q, int64_t q_stride, const int64_t *tok, const 
 int64_t prefill_tile_tokens(int64_t g) { return g >= FA_MV * FA_VW ? 1 : FA_MV * FA_VW / g; }
 int64_t prefill_vector_width(void) { return FA_VW; }
 
-/* Prefill attention of requests [r0, r1) of a flat batch. q [T, hq, d] float32 (token rows q_stride
-   floats apart), out [T, hq, d] contiguous; request i's query tokens are [starts[i], starts[i + 1]),
-   at positions pos[starts[i] ..] (pos NULL: the last ones of its seq_lens[i] positions); K/V are
-   float32 caches [blocks, block_size, hkv, d] that hold every position up to each query's own. */
-void paged_prefill(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache, float *out,
-                   const int64_t *tables, int64_t table_stride, const int64_t *starts, const int64_t *seq_lens,
-                   const int64_t *pos, int64_t r0, int64_t r1, int64_t hq, int64_t hkv, int64_t d,
-                   int64_t block_size, float scale, int num_threads) {
+/* Prefill attention of requests [r0, r1) of a flat batch. q [T, hq, d] float32 or bfloat16 (q_bf16;
+   token rows q_stride elements apart), out [T, hq, d] contiguous, q's dtype; request i's query tokens
+   are [starts[i], starts[i + 1]), at positions pos[starts[i] ..] (pos NULL: the last ones of its
+   seq_lens[i] positions); K/V are caches [blocks, block_size, hkv, d] of kv_kind (ROW_F32 or
+   ROW_BF16) that hold every position up to each query's own; scores are q.k * scale. */
+void paged_prefill(const void *q, int q_bf16, int64_t q_stride, const void *k_cache, const void *v_cache,
+                   int kv_kind, void *out, const int64_t *tables, int64_t table_stride, const int64_t *starts,
+                   const int64_t *seq_lens, const int64_t *pos, int64_t r0, int64_t r1, int64_t hq, int64_t hkv,
+                   int64_t d, int64_t block_size, float scale, int num_threads) {
     const int64_t g = hq / hkv, tq = prefill_tile_tokens(g);
     const int64_t m = (tq * g + 2 * FA_VW - 1) / (2 * FA_VW) * (2 * FA_VW);
     int64_t ntasks = 0, ntok = starts[r1] - starts[r0];
@@ -482,8 +491,8 @@ void paged_prefill(const float *q, int64_t q_stride, const float *k_cache, const
         for (int64_t x = 0; x < ntasks; ++x) {
             const int64_t i = task[3 * x], t0 = task[3 * x + 1], h = task[3 * x + 2];
             const int64_t n = starts[i + 1] - t0 < tq ? starts[i + 1] - t0 : tq, off = t0 - starts[r0];
-            fa_tile(q, q_stride, tok + off, tpos + off, n, k_cache, v_cache, tables + i * table_stride, block_size,
-                    hq, hkv, d, h, m, scale, out, scratch);
+            fa_tile(q, q_bf16, q_stride, tok + off, tpos + off, n, k_cache, v_cache, kv_kind, tables + i * table_stride,
+                    block_size, hq, hkv, d, h, m, scale, out, scratch);
         }
         free(scratch);
     }
