@@ -130,6 +130,9 @@ def _tuning_file(path: Path) -> dict[str, Any]:
             rows = (str(tuning.DECODE_ROWS), str(tuning.PREFILL_ROWS))
             entry["seconds"] = {name: {r: float(t[r]) for r in rows} for name, t in times.items()}
             entry["chosen"] = tuning.pick_dtype(times, cpu.cpu_flags())
+        elif kind == "attention":  # {path: {"QxL": median seconds}}: prefill attention's two paths
+            entry["attention_seconds"] = {name: {c: float(v) for c, v in t.items()} for name, t in times.items()}
+            entry["chosen"] = tuning.pick_attention(times)
         elif kind in ("linears", "kquant"):  # K-quant linears: one kernel, "int16" in the modes' place
             # The file does not say how many linears share a shape: count each once.
             chosen = tuning.choose(times, {shape: 1 for shape in times}, flags=cpu.cpu_flags())
@@ -212,6 +215,10 @@ def _tuning_line(entry: dict[str, Any]) -> str:
         line = f"{entry['chosen']} chosen; " + "; ".join(
             f"{name} {t[str(DECODE_ROWS)] * 1e6:.0f} us at {DECODE_ROWS} row, {t[str(PREFILL_ROWS)] * 1e3:.2f} ms at "
             f"{PREFILL_ROWS}" for name, t in entry["seconds"].items())
+    elif "attention_seconds" in entry:
+        line = f"prefill attention: {entry['chosen']} chosen; " + "; ".join(
+            f"{name} " + ", ".join(f"{t * 1e3:.2f} ms at {case}" for case, t in cases.items())
+            for name, cases in entry["attention_seconds"].items())
     elif "dense_from" in entry:
         dd = entry["dense_dtype"]
         dense = ", ".join(f"{s} {'never' if v is None else v}" + (f" in {dd[s]}" if dd.get(s) else "")

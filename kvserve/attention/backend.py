@@ -70,6 +70,10 @@ class AttentionBackend(ABC):
 
     name: str = ""
 
+    def tune(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        """Make the choices that depend on the model's attention shapes (heads of one rank) and the
+        cache's dtype, once, before the first forward: by measuring, where a backend has choices."""
+
     @abstractmethod
     def forward(
         self,

@@ -13,7 +13,7 @@ import torch
 
 from kvserve.attention.backend import FP8, AttentionMetadata, register_backend
 from kvserve.attention.torch_backend import TorchAttentionBackend
-from kvserve.kernels import paged_attention
+from kvserve.kernels import paged_attention, tuning
 
 
 @register_backend
@@ -23,6 +23,32 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self) -> None:
         super().__init__()
         paged_attention.load_kernel()  # build now rather than inside the first decode step
+        self.prefill_kernel = True  # the C prefill kernel where it applies (`tune` measures it against SDPA)
+
+    def tune(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        probe = torch.empty(1, num_heads, head_dim, dtype=dtype)
+        if not paged_attention.supports_prefill(probe, probe):
+            return
+        chosen = tuning.choose_prefill_attention([num_heads, num_kv_heads, head_dim, str(dtype)], "paged_attention.c",
+                                                 lambda q, n: self._prefill_candidates(num_heads, num_kv_heads,
+                                                                                       head_dim, dtype, q, n))
+        self.prefill_kernel = chosen == "kernel"
+
+    def _prefill_candidates(self, hq: int, hkv: int, d: int, dtype: torch.dtype, q_len: int, length: int) -> dict:
+        """The two prefill paths for one request's chunk of q_len tokens ending a context of `length`:
+        this backend's (the kernel) and the torch backend's (gather, then SDPA), on random values."""
+        bs = 16
+        g = torch.Generator().manual_seed(0)
+        kc, vc = (torch.randn(-(-length // bs), bs, hkv, d, generator=g).to(dtype) for _ in range(2))
+        q = torch.randn(q_len, hq, d, generator=g).to(dtype)
+        out = torch.empty_like(q)
+        meta = AttentionMetadata(num_decodes=0, query_start_loc=[0, q_len], seq_lens=[length],
+                                 slot_mapping=torch.zeros(0, dtype=torch.int64),
+                                 block_tables=torch.arange(kc.shape[0])[None], seq_lens_tensor=torch.tensor([length]),
+                                 block_size=bs)
+        return {"kernel": lambda: self._prefills(q, None, None, kc, vc, meta, d ** -0.5, 1.0, 1.0, out),
+                "sdpa": lambda: super(CpuAttentionBackend, self)._prefills(q, None, None, kc, vc, meta, d ** -0.5,
+                                                                           1.0, 1.0, out)}
 
     def _decodes(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float,
                  v_scale: float, out: torch.Tensor) -> None:
@@ -34,7 +60,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def _prefills(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float,
                   v_scale: float, out: torch.Tensor) -> None:
-        if not paged_attention.supports_prefill(q, k_cache):
+        if not (self.prefill_kernel and paged_attention.supports_prefill(q, k_cache)):
             return super()._prefills(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale, out)
         starts = torch.tensor(meta.query_start_loc, dtype=torch.int64)
         paged_attention.paged_prefill(q, k_cache, v_cache, meta.block_tables, starts, meta.seq_lens_tensor,

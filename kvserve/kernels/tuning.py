@@ -1,6 +1,6 @@
 """Choose dtype and linear kernels by measuring them on this machine, on the model's own shapes.
 
-Three decisions, each cached as JSON under `<cache_dir>/tuning/` keyed by the CPU (model name and
+Four decisions, each cached as JSON under `<cache_dir>/tuning/` keyed by the CPU (model name and
 flags), the C kernels' ISA level, the torch version, the threads and the shapes measured (the
 linears' keys also hold the kernels' source, so a changed kernel is measured again):
 
@@ -19,6 +19,8 @@ linears' keys also hold the kernels' source, so a changed kernel is measured aga
 - `tune_kquant_linears` (for linears over raw GGUF K-quant rows): the same `dense_from` and
   `dense_dtype` by the same rule, the K-quant kernel in the place of the activation modes, int8
   activations against the K-quant codes (kquant.matmul_int8) as the int8 prefill path.
+- `choose_prefill_attention` (for the cpu attention backend, on the model's head shapes): the C
+  prefill attention kernel or torch's SDPA over the gathered context.
 
 One noisy run must not decide for every later start: the candidates are timed interleaved over
 rounds and the cached entries re-checked at start (evidence.py). And a choice against the CPU's
@@ -428,6 +430,63 @@ def tune_kquant_linears(model: nn.Module, dtype: torch.dtype) -> dict | None:
         m.dense_dtype = None if dd in (None, "int8") else getattr(torch, dd)
     logger.info("K-quant linears: %d (%s; rounds spread %.0f%%); dense from rows: %s", len(mods), how,
                 100 * entry_noise(entry), _dense_summary(chosen, dtype))
+    return chosen
+
+
+# ---- prefill attention ------------------------------------------------------------------------
+
+# (query tokens, context including them): a chunk of a short prompt, and the last chunk of a long one
+ATTENTION_CASES = ((PREFILL_ROWS, 2 * PREFILL_ROWS), (PREFILL_ROWS, 8 * PREFILL_ROWS))
+
+
+def pick_attention(times: dict[str, dict[str, float]]) -> str:
+    """The prefill attention path whose times (case -> median seconds) sum the least."""
+    total = {name: sum(t.values()) for name, t in times.items()}
+    return min(total, key=total.__getitem__)
+
+
+def choose_prefill_attention(shape: list, kernel_source: str,
+                             candidates: Callable[[int, int], dict[str, Callable[[], object]]]) -> str:
+    """'kernel' or 'sdpa': which of the attention backend's two prefill paths (`candidates(q, L)`:
+    name -> fn attending a chunk of q tokens at the end of a context of L) takes less time summed
+    over ATTENTION_CASES on this model's head shapes (`shape`: part of the cache key, with the
+    kernel's source). Both are exact to float rounding, so no margin. The C kernel is not always the
+    faster: on an AVX2 imitation with 128-wide heads torch's SDPA won at long contexts
+    (BENCHMARKS.md). Without tuning: 'kernel'."""
+    if not enabled():
+        return "kernel"
+    rule = pick_attention
+    cases = [f"{q}x{n}" for q, n in ATTENTION_CASES]
+    made: dict[str, dict[str, Callable[[], object]]] = {}
+
+    def fns(case: str) -> dict[str, Callable[[], object]]:
+        if case not in made:
+            made.clear()  # one case's tensors at a time
+            made[case] = candidates(*map(int, case.split("x")))
+        return made[case]
+
+    def measure() -> dict:
+        times: dict[str, dict[str, float]] = {}
+        noise: dict[str, dict[str, float]] = {}
+        for case in cases:
+            for name, st in time_interleaved(fns(case), f"attention {case}").items():
+                times.setdefault(name, {})[case], noise.setdefault(name, {})[case] = st["median"], st["spread"]
+        return {"times": times, "noise": noise}
+
+    def spot(entry: dict) -> str | None:
+        t = entry["times"]
+        best = rule(t)
+        other = next(n for n in t if n != best)
+        case = cases[-1]  # the long context: where the two differ most in time
+        f = fns(case)
+        return spot_check([(f"attention {case}", best, f[best], other, f[other], t[best][case] / t[other][case])])
+
+    entry, how = decide("attention", [shape, build.source_digest(kernel_source)], measure, spot)
+    made.clear()
+    chosen = rule(entry["times"])
+    logger.info("prefill attention -> %s (%s; rounds spread %.0f%%; %s)", chosen, how, 100 * entry_noise(entry),
+                ", ".join(f"{n} " + " / ".join(f"{t[c] * 1e3:.2f} ms at {c}" for c in cases)
+                          for n, t in entry["times"].items()))
     return chosen
 
 

@@ -142,6 +142,9 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.dtype = dtype
         self.kv_dtype = kv_dtype_of(kv_cache_dtype, dtype)
+        attn = next((m for m in model.modules() if isinstance(m, Attention)), None)
+        if attn is not None and self.kv_dtype == dtype:  # the backend's shape-dependent choices (prefill kernel)
+            self.attention_backend.tune(attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype)
         start, end = self.parallel.layer_range(hf_config.num_hidden_layers)
         # The model's decoder layers, and those of this pipeline stage [start, end) (kv_caches[i - start]).
         self.num_layers, self.layer_range = hf_config.num_hidden_layers, (start, end)

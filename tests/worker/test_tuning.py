@@ -615,3 +615,49 @@ def test_candidates_are_timed_on_one_thread(cache):
     evidence._checked.clear()
     evidence.decide("probe", "z", lambda: {"times": {}}, lambda e: seen.append(torch.get_num_threads()))
     assert seen == [1, 1]  # the spot check too
+
+
+# ---- prefill attention: the C kernel or torch's SDPA ------------------------------------------
+
+def attention_clock(table: dict[str, dict[str, float]]) -> Callable[[str, int], float]:
+    """Seconds for choose_prefill_attention's labels ('kernel@attention 256x2048') from table[path][case]."""
+    return lambda label, n: table[label.split("@")[0]][label.split(" ")[-1]]
+
+
+def test_prefill_attention_takes_the_path_that_sums_less(cache, monkeypatch, caplog):
+    """Summed over a short and a long context: a kernel that wins short but loses more at long
+    contexts (as on an AVX2 imitation with 128-wide heads) gives way to SDPA, and the backend then
+    runs its prefills through the torch path; the cached decision is spot-checked at the next start
+    and `kvserve env` shows it."""
+    from kvserve import env
+    from kvserve.attention import AttentionMetadata, get_backend
+    from kvserve.kernels import paged_attention
+
+    backend = get_backend("cpu")
+    probe = torch.empty(1, 8, 64)
+    if not paged_attention.supports_prefill(probe, probe):
+        pytest.skip("no prefill kernel at this ISA level: nothing to choose")
+    short, long = (f"{q}x{n}" for q, n in tuning.ATTENTION_CASES)
+    clock = use_clock(monkeypatch, attention_clock({"kernel": {short: 0.010, long: 0.080},
+                                                    "sdpa": {short: 0.020, long: 0.060}}))
+    with caplog.at_level("INFO", logger=LOGGER):
+        backend.tune(8, 2, 64, torch.float32)
+    assert not backend.prefill_kernel and "prefill attention -> sdpa (measured" in caplog.text
+    assert clock.count[f"kernel@attention {long}"] == evidence.ROUNDS
+    calls = []
+    monkeypatch.setattr(paged_attention, "paged_prefill", lambda *a: calls.append(a))
+    q, kc = torch.randn(5, 8, 64), torch.randn(4, 4, 2, 64)
+    meta = AttentionMetadata(num_decodes=0, query_start_loc=[0, 5], seq_lens=[9], slot_mapping=torch.arange(4, 9),
+                             block_tables=torch.tensor([[0, 1, 2]]), seq_lens_tensor=torch.tensor([9]), block_size=4)
+    k_new = torch.randn(5, 2, 64)
+    backend.forward(q, k_new, k_new, kc, kc.clone(), meta, 0.125)
+    assert calls == []  # SDPA served the prefill
+    (line,) = [env._tuning_line(e) for e in env._cache()["tuning"] if e["kind"] == "attention"]
+    assert line.startswith("prefill attention: sdpa chosen; kernel 10.00 ms at 256x512, 80.00 ms at 256x2048;")
+    use_clock(monkeypatch, attention_clock({"kernel": {short: 0.010, long: 0.030},
+                                            "sdpa": {short: 0.020, long: 0.060}}))
+    caplog.clear()
+    monkeypatch.setattr(evidence, "_checked", {})  # the next start
+    with caplog.at_level("INFO", logger=LOGGER):
+        get_backend("cpu").tune(8, 2, 64, torch.float32)  # the spot check disagrees: measured again
+    assert "prefill attention -> kernel (measured: " in caplog.text
