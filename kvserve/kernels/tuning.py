@@ -455,7 +455,6 @@ def choose_prefill_attention(shape: list, kernel_source: str,
     (BENCHMARKS.md). Without tuning: 'kernel'."""
     if not enabled():
         return "kernel"
-    rule = pick_attention
     cases = [f"{q}x{n}" for q, n in ATTENTION_CASES]
     made: dict[str, dict[str, Callable[[], object]]] = {}
 
@@ -475,7 +474,7 @@ def choose_prefill_attention(shape: list, kernel_source: str,
 
     def spot(entry: dict) -> str | None:
         t = entry["times"]
-        best = rule(t)
+        best = pick_attention(t)
         other = next(n for n in t if n != best)
         case = cases[-1]  # the long context: where the two differ most in time
         f = fns(case)
@@ -483,7 +482,7 @@ def choose_prefill_attention(shape: list, kernel_source: str,
 
     entry, how = decide("attention", [shape, build.source_digest(kernel_source)], measure, spot)
     made.clear()
-    chosen = rule(entry["times"])
+    chosen = pick_attention(entry["times"])
     logger.info("prefill attention -> %s (%s; rounds spread %.0f%%; %s)", chosen, how, 100 * entry_noise(entry),
                 ", ".join(f"{n} " + " / ".join(f"{t[c] * 1e3:.2f} ms at {c}" for c in cases)
                           for n, t in entry["times"].items()))

@@ -308,9 +308,7 @@ void dequant_blocks(const uint8_t *cache, const int64_t *ids, int64_t n, int64_t
 #define FA_DV 2
 #endif
 #define FA_R2 4
-#ifndef FA_MV
-#define FA_MV 4
-#endif
+#define FA_MV 4  /* query rows per tile: FA_MV vectors */
 #define FA_N (FA_R * 8)  /* keys per chunk */
 typedef float fa_vec __attribute__((vector_size(FA_VW * 4), aligned(4), may_alias));
 static inline fa_vec fa_load(const float *p) { return *(const fa_vec *)p; }
@@ -376,9 +374,8 @@ static void fa_tile(const void *q, int q_bf16, int64_t q_stride, const int64_t *
     int64_t lo = pos[0], hi = pos[0];
     for (int64_t t = 0; t < nt; ++t) { lo = pos[t] < lo ? pos[t] : lo; hi = pos[t] > hi ? pos[t] : hi; }
     for (int64_t r = 0; r < m; ++r) {  /* padded rows: zero queries that see every key */
-        const int64_t t = r / g, j = r % g;
+        const int64_t t = r / g, at = r < rows ? tok[t] * q_stride + (h * g + r % g) * d : 0;
         qp[r] = r < rows ? (float)pos[t] : (float)hi;
-        const int64_t at = tok[t] * q_stride + (h * g + j) * d;
         for (int64_t e = 0; e < d; ++e)
             qt[e * m + r] = r >= rows ? 0.f
                             : (q_bf16 ? bf16_to_f32(((const uint16_t *)q)[at + e]) : ((const float *)q)[at + e]) * scale;
@@ -452,7 +449,7 @@ static void fa_tile(const void *q, int q_bf16, int64_t q_stride, const int64_t *
 
 /* Rows of query tokens per tile for g heads per kv head: M = tile_tokens * g rows, padded to a
    multiple of 2 vectors. */
-int64_t prefill_tile_tokens(int64_t g) { return g >= FA_MV * FA_VW ? 1 : FA_MV * FA_VW / g; }
+static int64_t prefill_tile_tokens(int64_t g) { return g >= FA_MV * FA_VW ? 1 : FA_MV * FA_VW / g; }
 int64_t prefill_vector_width(void) { return FA_VW; }
 
 /* Prefill attention of requests [r0, r1) of a flat batch. q [T, hq, d] float32 or bfloat16 (q_bf16;
