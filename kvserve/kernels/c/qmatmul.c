@@ -468,8 +468,8 @@ static inline __m256i il_sum_unpacked(const __m256i w[8], const uint8_t *lo, con
     for (int c = 0; c < 4; ++c) {
         sl0 = dpbusd(sl0, _mm256_set1_epi32(l4[c]), w[2 * c]);
         sl1 = dpbusd(sl1, _mm256_set1_epi32(l4[4 + c]), w[2 * c + 1]);
-        sh0 = dpbusd(sh0, w[2 * c], _mm256_set1_epi32(h4[c]));
-        sh1 = dpbusd(sh1, w[2 * c + 1], _mm256_set1_epi32(h4[4 + c]));
+        sh0 = dpbusd_bcast(sh0, w[2 * c], h4 + c);
+        sh1 = dpbusd_bcast(sh1, w[2 * c + 1], h4 + 4 + c);
     }
     return _mm256_add_epi32(_mm256_add_epi32(sl0, sl1), _mm256_slli_epi32(_mm256_add_epi32(sh0, sh1), 8));
 }
@@ -497,8 +497,8 @@ static inline __m256i il_sum_unpacked8(const __m256i w[8], const int8_t *x) {
     const int32_t *x4 = (const int32_t *)x;
     __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
-        s0 = dpbusd(s0, w[2 * c], _mm256_set1_epi32(x4[c]));
-        s1 = dpbusd(s1, w[2 * c + 1], _mm256_set1_epi32(x4[4 + c]));
+        s0 = dpbusd_bcast(s0, w[2 * c], x4 + c);
+        s1 = dpbusd_bcast(s1, w[2 * c + 1], x4 + 4 + c);
     }
     return _mm256_add_epi32(s0, s1);
 }
@@ -1149,13 +1149,18 @@ static inline __m512 il8z_codes(const uint8_t *a, const uint8_t *b) {  /* 8 byte
     const __m128i v = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
 }
+/* dpbusd_bcast (common.h) in 512 bits */
+static inline __m512i il8z_dp(__m512i acc, __m512i w, const int32_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+    return acc;
+}
 #define IL8Z_TOKEN(t, acc) { \
         const int64_t i = b * 8 + t; \
         const int32_t *x4 = (const int32_t *)(xp + i * 32); \
         __m512i s0 = _mm512_setzero_si512(), s1 = s0; \
         for (int c = 0; c < 4; ++c) { \
-            s0 = _mm512_dpbusd_epi32(s0, w[2 * c], _mm512_set1_epi32(x4[c])); \
-            s1 = _mm512_dpbusd_epi32(s1, w[2 * c + 1], _mm512_set1_epi32(x4[4 + c])); } \
+            s0 = il8z_dp(s0, w[2 * c], x4 + c); \
+            s1 = il8z_dp(s1, w[2 * c + 1], x4 + 4 + c); } \
         const __m512i s_ = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(cp[i])); \
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_), _mm512_mul_ps(d, _mm512_set1_ps(xd[i])), acc); \
         if (SCL == SC_K || cg) acc = _mm512_fmadd_ps(e, _mm512_set1_ps(xs[i]), acc); }
