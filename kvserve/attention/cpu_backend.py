@@ -24,19 +24,25 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__()
         paged_attention.load_kernel()  # build now rather than inside the first decode step
         self.prefill_kernel = True  # the C prefill kernel where it applies (`tune` measures it against SDPA)
+        self.prefill_bf16 = False  # its dot products in bfloat16 (`tune`, where allowed and measured faster)
 
-    def tune(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    def tune(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+             bf16_products: bool = False) -> None:
         probe = torch.empty(1, num_heads, head_dim, dtype=dtype)
         if not paged_attention.supports_prefill(probe, probe):
             return
-        chosen = tuning.choose_prefill_attention([num_heads, num_kv_heads, head_dim, str(dtype)], "paged_attention.c",
+        bf16 = bf16_products and paged_attention.bf16_products()
+        chosen = tuning.choose_prefill_attention([num_heads, num_kv_heads, head_dim, str(dtype)] + ["bf16"] * bf16,
+                                                 "paged_attention.c",
                                                  lambda q, n: self._prefill_candidates(num_heads, num_kv_heads,
-                                                                                       head_dim, dtype, q, n))
-        self.prefill_kernel = chosen == "kernel"
+                                                                                       head_dim, dtype, bf16, q, n))
+        self.prefill_kernel, self.prefill_bf16 = chosen != "sdpa", chosen == "kernel_bf16"
 
-    def _prefill_candidates(self, hq: int, hkv: int, d: int, dtype: torch.dtype, q_len: int, length: int) -> dict:
-        """The two prefill paths for one request's chunk of q_len tokens ending a context of `length`:
-        this backend's (the kernel) and the torch backend's (gather, then SDPA), on random values."""
+    def _prefill_candidates(self, hq: int, hkv: int, d: int, dtype: torch.dtype, bf16: bool, q_len: int,
+                            length: int) -> dict:
+        """The prefill paths for one request's chunk of q_len tokens ending a context of `length`:
+        this backend's (the kernel; with bf16, also the kernel with bfloat16 products) and the torch
+        backend's (gather, then SDPA), on random values."""
         bs = 16
         g = torch.Generator().manual_seed(0)
         kc, vc = (torch.randn(-(-length // bs), bs, hkv, d, generator=g).to(dtype) for _ in range(2))
@@ -46,7 +52,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
                                  slot_mapping=torch.zeros(0, dtype=torch.int64),
                                  block_tables=torch.arange(kc.shape[0])[None], seq_lens_tensor=torch.tensor([length]),
                                  block_size=bs)
-        return {"kernel": lambda: self._prefills(q, None, None, kc, vc, meta, d ** -0.5, 1.0, 1.0, out),
+        def kernel(bf: bool) -> None:
+            paged_attention.paged_prefill(q, kc, vc, meta.block_tables, torch.tensor(meta.query_start_loc),
+                                          meta.seq_lens_tensor, 0, 1, d ** -0.5, None, out, bf)
+
+        return {"kernel": lambda: kernel(False),
+                **({"kernel_bf16": lambda: kernel(True)} if bf16 else {}),
                 "sdpa": lambda: super(CpuAttentionBackend, self)._prefills(q, None, None, kc, vc, meta, d ** -0.5,
                                                                            1.0, 1.0, out)}
 
@@ -64,7 +75,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return super()._prefills(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale, out)
         starts = torch.tensor(meta.query_start_loc, dtype=torch.int64)
         paged_attention.paged_prefill(q, k_cache, v_cache, meta.block_tables, starts, meta.seq_lens_tensor,
-                                      meta.num_decodes, meta.num_reqs, scale, meta.query_positions, out)
+                                      meta.num_decodes, meta.num_reqs, scale, meta.query_positions, out,
+                                      self.prefill_bf16)
 
     def _write_fp8(self, cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float) -> None:
         if paged_attention.supports_write(cache, x):

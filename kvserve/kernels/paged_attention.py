@@ -28,7 +28,7 @@ _SIGNATURES = {
     "dequant_blocks": [_vp, _vp, _i64, _i64, _f32, _vp, _int, _int],
     "write_fp8": [_vp, _int, _i64, _vp, _i64, _i64, _f32, _vp],
     "paged_prefill": [_vp, _int, _i64, _vp, _vp, _int, _vp, _vp, _i64, _vp, _vp, _vp, _i64, _i64, _i64, _i64, _i64,
-                      _i64, _f32, _int],
+                      _i64, _f32, _int, _int],
 }
 
 
@@ -46,6 +46,7 @@ def load_kernel() -> ctypes.CDLL | None:
         _lib = build.load_library("paged_decode", "paged_attention.c", _SIGNATURES, wide)
         if _lib is not None:
             _lib.prefill_vector_width.restype = ctypes.c_int64
+            _lib.prefill_bf16_products.restype = ctypes.c_int
     return _lib
 
 
@@ -132,16 +133,24 @@ def supports_prefill(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and q.shape[-1] % _lib.prefill_vector_width() == 0 and q.stride(-1) == 1 and q.stride(1) == q.shape[-1])
 
 
+def bf16_products() -> bool:
+    """Whether paged_prefill can take its dot products in bfloat16 here: a build with them (AVX-512
+    levels) on a CPU with AVX512-BF16 (vdpbf16ps)."""
+    lib = load_kernel()
+    return lib is not None and bool(lib.prefill_bf16_products()) and "avx512_bf16" in cpu.cpu_flags()
+
+
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   starts: torch.Tensor, seq_lens: torch.Tensor, first: int, last: int, scale: float,
-                  positions: torch.Tensor | None, out: torch.Tensor) -> None:
+                  positions: torch.Tensor | None, out: torch.Tensor, bf16: bool = False) -> None:
     """Causal attention of requests [first, last) of a flat batch into their rows of out [T, Hq, D].
 
     q [T, Hq, D] float32 or bfloat16 (token rows may sit apart: a view of the fused qkv output), out
     of its dtype; request i's query tokens are rows [starts[i], starts[i + 1]) at positions[...]
     (None: the last ones of its seq_lens[i] positions); the caches [blocks, block_size, Hkv, D] hold
     q's dtype and already every position up to each query's own. Rows of out outside those
-    requests are left alone."""
+    requests are left alone. bf16: the products of Q K^T and P V in bfloat16, summed in float32
+    (where bf16_products(); each input rounded to 8 significant bits once)."""
     lib = load_kernel()
     assert lib is not None and out.is_contiguous() and out.dtype == q.dtype == k_cache.dtype
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -151,4 +160,4 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       v_cache.data_ptr(), ROW_KIND[k_cache.dtype], out.data_ptr(), tables.data_ptr(), tables.shape[1],
                       starts.data_ptr(), seq_lens.data_ptr(), None if pos is None else pos.data_ptr(), first, last,
                       q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale,
-                      torch.get_num_threads())
+                      int(bf16 and bf16_products()), torch.get_num_threads())

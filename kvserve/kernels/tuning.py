@@ -447,12 +447,13 @@ def pick_attention(times: dict[str, dict[str, float]]) -> str:
 
 def choose_prefill_attention(shape: list, kernel_source: str,
                              candidates: Callable[[int, int], dict[str, Callable[[], object]]]) -> str:
-    """'kernel' or 'sdpa': which of the attention backend's two prefill paths (`candidates(q, L)`:
-    name -> fn attending a chunk of q tokens at the end of a context of L) takes less time summed
-    over ATTENTION_CASES on this model's head shapes (`shape`: part of the cache key, with the
-    kernel's source). Both are exact to float rounding, so no margin. The C kernel is not always the
-    faster: on an AVX2 imitation with 128-wide heads torch's SDPA won at long contexts
-    (BENCHMARKS.md). Without tuning: 'kernel'."""
+    """Which of the attention backend's prefill paths (`candidates(q, L)`: name -> fn attending a
+    chunk of q tokens at the end of a context of L; 'kernel', 'sdpa', and where the backend offers
+    it 'kernel_bf16') takes less time summed over ATTENTION_CASES on this model's head shapes
+    (`shape`: part of the cache key, with the kernel's source). No margin: the first two are exact
+    to float rounding, and the backend offers the third only where the model's prefill already
+    rounds more coarsely. The C kernel is not always the faster: on an AVX2 imitation with 128-wide
+    heads torch's SDPA won at long contexts (BENCHMARKS.md). Without tuning: 'kernel'."""
     if not enabled():
         return "kernel"
     cases = [f"{q}x{n}" for q, n in ATTENTION_CASES]

@@ -144,7 +144,11 @@ class ModelRunner:
         self.kv_dtype = kv_dtype_of(kv_cache_dtype, dtype)
         attn = next((m for m in model.modules() if isinstance(m, Attention)), None)
         if attn is not None and self.kv_dtype == dtype:  # the backend's shape-dependent choices (prefill kernel)
-            self.attention_backend.tune(attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype)
+            # bfloat16 products in prefill attention only where the prefill's linears already take int8
+            # activation codes (tuning.tune_linears ran before): their rounding is the coarser
+            # (BENCHMARKS.md: no measurable change in logprobs beside it).
+            int8_prefill = any(getattr(m, "prefill_int8", False) for m in model.modules())
+            self.attention_backend.tune(attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype, int8_prefill)
         start, end = self.parallel.layer_range(hf_config.num_hidden_layers)
         # The model's decoder layers, and those of this pipeline stage [start, end) (kv_caches[i - start]).
         self.num_layers, self.layer_range = hf_config.num_hidden_layers, (start, end)

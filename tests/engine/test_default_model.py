@@ -38,6 +38,12 @@ BF16_PREFILL_ATOL, BF16_PREFILL_TIE = 0.06, 0.12
 # carry the 8-bit rounding into every later step, so the logprobs moved by up to 0.144 over these
 # steps (Zen 4; decode steps on int16 codes): int8 activations' tolerance.
 INT8_PREFILL_ATOL, INT8_PREFILL_TIE = INT8_ACTIVATIONS_ATOL, INT8_ACTIVATIONS_TIE
+# ... and with the prompts' attention on bfloat16 products too (the cpu backend's kernel_bf16, which
+# tuning may take only beside int8 prefill codes): over these steps the largest moves per prompt went
+# from 0.069 / 0.114 / 0.126 / 0.026 to 0.124 / 0.284 / 0.117 / 0.073 (Zen 4), as rounding any one
+# of q, k or v to bfloat16 before the float32 kernel moved them (0.14-0.24); over 4,096 teacher-forced
+# ShareGPT tokens the mean move against float prefill stayed 0.059 (BENCHMARKS.md).
+INT8_PREFILL_BF16_ATTENTION_ATOL = 0.35
 
 
 def low_precision_prefill(model: torch.nn.Module, tokens: int, attr: str = "dense_dtype",
@@ -82,7 +88,9 @@ def test_default_model_greedy_matches_hf(tuning, monkeypatch, hf_reference):
         assert_greedy_parity(ours, reference, INT8_ACTIVATIONS_ATOL, INT8_ACTIVATIONS_TIE)
     elif low_precision_prefill(model, sum(map(len, prompts)), "prefill_int8", True):
         assert tuning != "off"
-        assert_greedy_parity(ours, reference, INT8_PREFILL_ATOL, INT8_PREFILL_TIE)
+        bf16 = llm.engine.executor.worker.runner.attention_backend.prefill_bf16
+        assert_greedy_parity(ours, reference, INT8_PREFILL_BF16_ATTENTION_ATOL if bf16 else INT8_PREFILL_ATOL,
+                             INT8_PREFILL_TIE)
     elif low_precision_prefill(model, sum(map(len, prompts))):  # the 4 prompts are prefilled in one step
         assert tuning != "off"
         assert_greedy_parity(ours, reference, BF16_PREFILL_ATOL, BF16_PREFILL_TIE)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.kernels.tuning import TUNING_ENV
 from kvserve.sampling_params import StructuredOutputsParams as SO
 from kvserve.structured.backend import constraint_key
 from kvserve.structured.manager import StructuredOutputManager
@@ -23,7 +24,12 @@ BACKENDS = ["xgrammar", "guidance"]
 
 @pytest.fixture(scope="module")
 def spec_llm():
-    llm = LLM(dtype="float32", kv_cache_memory="64MiB", check_integrity=True, speculative_config=NGRAM)
+    """The conftest `llm` with n-gram drafts, and like it with the kernels' fixed defaults: its
+    outputs are compared token for token with `llm`'s, and tuning may choose other prefill paths
+    (int8 codes, bfloat16 attention products) whose rounding moves near-tied tokens."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(TUNING_ENV, "off")
+        llm = LLM(dtype="float32", kv_cache_memory="64MiB", check_integrity=True, speculative_config=NGRAM)
     yield llm
     llm.engine.close()
 

@@ -253,7 +253,8 @@ def check_paged_prefill() -> list[str]:
     divide the key chunks, a request without cached context, one long enough for many chunks
     and tiles, one token alone, query positions given (a blend's) and not, strided queries (a view
     of a fused qkv output); and bfloat16 queries and pages (against the same attention of their
-    values, to bfloat16's rounding of the output)."""
+    values, to bfloat16's rounding of the output); where the CPU has them, bfloat16 products
+    (against the attention of the bfloat16-rounded values, to twice that)."""
     bad = []
     width = paged_attention.load_kernel().prefill_vector_width()
     g = torch.Generator().manual_seed(0)
@@ -273,22 +274,27 @@ def check_paged_prefill() -> list[str]:
         q = qkv[:, :hq]
         starts = torch.tensor([0] + [sum(n for _, n in shapes[:i + 1]) for i in range(len(shapes))])
         lens = torch.tensor([c + n for c, n in shapes])
-        for given, dtype in ((False, torch.float32), (True, torch.float32), (True, torch.bfloat16)):
+        bf = paged_attention.bf16_products()
+        for given, dtype, prod in ((False, torch.float32, False), (True, torch.float32, False),
+                                   (True, torch.bfloat16, False), *([(True, torch.float32, True),
+                                                                     (False, torch.bfloat16, True)] if bf else [])):
             pos = torch.cat([torch.randint(0, c + n, (n,), generator=g) if given else torch.arange(c, c + n)
                              for c, n in shapes])
             qx, kx, vx = (x.to(dtype) for x in (q, kc, vc))
             out = torch.full((tokens, hq, d), float("nan"), dtype=dtype)
             paged_attention.paged_prefill(qx, kx, vx, tables, starts, lens, 1, len(shapes), d ** -0.5,
-                                          pos if given else None, out)
+                                          pos if given else None, out, prod)
             if not torch.isnan(out[:starts[1]]).all():
                 bad.append(f"prefill {hq}/{hkv}x{d}: wrote rows of a request it was not given")
-            tol = 1e-5 if dtype == torch.float32 else 8e-3
+            tol = 2e-2 if prod else 1e-5 if dtype == torch.float32 else 8e-3
+            rounded = (lambda x: x.bfloat16()) if prod else (lambda x: x)
             for i, (c, n) in enumerate(shapes[1:], 1):
                 rows = slice(int(starts[i]), int(starts[i + 1]))
-                ref = _causal_reference(qx[rows], kx, vx, tables[i], c + n, d ** -0.5, pos[rows])
+                ref = _causal_reference(rounded(qx[rows]), rounded(kx), rounded(vx), tables[i], c + n, d ** -0.5,
+                                        pos[rows])
                 if not torch.allclose(out[rows].float(), ref, atol=tol, rtol=tol):
-                    bad.append(f"prefill {hq}/{hkv}x{d} bs {bs} request {i} positions given {given} {dtype}: "
-                               f"{float((out[rows].float() - ref).abs().max()):.2e}")
+                    bad.append(f"prefill {hq}/{hkv}x{d} bs {bs} request {i} positions given {given} {dtype} "
+                               f"bf16 products {prod}: {float((out[rows].float() - ref).abs().max()):.2e}")
     return bad
 
 

@@ -661,3 +661,36 @@ def test_prefill_attention_takes_the_path_that_sums_less(cache, monkeypatch, cap
     with caplog.at_level("INFO", logger=LOGGER):
         get_backend("cpu").tune(8, 2, 64, torch.float32)  # the spot check disagrees: measured again
     assert "prefill attention -> kernel (measured: " in caplog.text
+
+
+def test_prefill_attention_offers_bf16_products_only_where_allowed(cache, monkeypatch):
+    """The kernel with bfloat16 products is a candidate only when the caller allows it (the model's
+    prefill linears take int8 codes) and this build and CPU have them; chosen, the backend's
+    prefills run it."""
+    from kvserve.attention import AttentionMetadata, get_backend
+    from kvserve.kernels import paged_attention
+
+    probe = torch.empty(1, 8, 64)
+    if not paged_attention.supports_prefill(probe, probe):
+        pytest.skip("no prefill kernel at this ISA level: nothing to choose")
+    short, long = (f"{q}x{n}" for q, n in tuning.ATTENTION_CASES)
+    times = {"kernel": {short: 0.010, long: 0.040}, "sdpa": {short: 0.020, long: 0.060},
+             "kernel_bf16": {short: 0.008, long: 0.030}}
+    clock = use_clock(monkeypatch, attention_clock(times))
+    backend = get_backend("cpu")
+    backend.tune(8, 2, 64, torch.float32)  # not allowed: never measured
+    assert backend.prefill_kernel and not backend.prefill_bf16
+    assert not any(label.startswith("kernel_bf16@") for label in clock.count)
+    backend.tune(8, 2, 64, torch.float32, bf16_products=True)
+    if not paged_attention.bf16_products():  # no AVX512-BF16 here, or a build without it
+        assert not backend.prefill_bf16 and not any(label.startswith("kernel_bf16@") for label in clock.count)
+        return
+    assert backend.prefill_kernel and backend.prefill_bf16
+    assert clock.count[f"kernel_bf16@attention {long}"] == evidence.ROUNDS
+    calls = []
+    monkeypatch.setattr(paged_attention, "paged_prefill", lambda *a: calls.append(a))
+    q, kc = torch.randn(5, 8, 64), torch.randn(4, 4, 2, 64)
+    meta = AttentionMetadata(num_decodes=0, query_start_loc=[0, 5], seq_lens=[9], slot_mapping=torch.arange(4, 9),
+                             block_tables=torch.tensor([[0, 1, 2]]), seq_lens_tensor=torch.tensor([9]), block_size=4)
+    backend.forward(q, torch.randn(5, 2, 64), torch.randn(5, 2, 64), kc, kc.clone(), meta, 0.125)
+    assert len(calls) == 1 and calls[0][-1] is True  # bf16=True

@@ -358,19 +358,114 @@ static inline __attribute__((always_inline)) void fa_pv(const int DV, const floa
         for (int c = 0; c < DV; ++c) fa_store(o + (m0 + r) * d + e0 + c * FA_VW, acc[r][c]);
 }
 
-/* Scratch floats of one thread for rows of m query rows and head size d. */
-static inline int64_t fa_scratch_floats(int64_t m, int64_t d) { return d * m + FA_N * m + m * d + 2 * FA_N * d + 4 * m; }
+/* bfloat16 dot products (AVX512-BF16, chosen at run time: bf != 0 in fa_tile). vdpbf16ps adds the
+   products of 16 pairs of bfloat16 into 16 float lanes, so the pairs are laid out along what each
+   sum runs over: for S, Q as qb [d / 2][m][2] (a lane's two query elements e, e + 1) against a key's
+   pair broadcast; for O += P V, V as vb [n / 2][d][2] (two keys' elements) against a query row's
+   two probabilities pb [n / 2][m][2] broadcast. Sums stay float32; inputs are rounded to nearest
+   even once. On Zen 4 one vdpbf16ps does the multiply-adds of two FMAs. */
+#if defined(__AVX512F__) && defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 10)
+#define FA_BF16 1
+#define FA_BF16_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
+static inline __m512 fa_dpbf16(__m512 acc, __m512i a, uint32_t pair) FA_BF16_TARGET;
+static inline __m512 fa_dpbf16(__m512 acc, __m512i a, uint32_t pair) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32((int)pair));
+}
+/* 16 values at a (float32, or bfloat16 with src_bf16) as bfloat16, zero-extended to 32-bit lanes. */
+FA_BF16_TARGET static inline __m512i fa_bf_lanes(const void *a, int src_bf16) {
+    return _mm512_cvtepu16_epi32(src_bf16 ? _mm256_loadu_si256((const __m256i *)a)
+                                          : (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps((const float *)a)));
+}
+/* dst [n] (as 32-bit words: n pairs) = (a[i], b[i]) as bfloat16 (rounded to nearest even from
+   float32, copied from bfloat16), n a multiple of 16. */
+FA_BF16_TARGET static void fa_bf_pairs(const void *a, const void *b, int src_bf16, int64_t n, uint16_t *dst) {
+    const int64_t step = src_bf16 ? 2 : 4;  /* bytes per value */
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512i lo = fa_bf_lanes((const char *)a + i * step, src_bf16);
+        const __m512i hi = fa_bf_lanes((const char *)b + i * step, src_bf16);
+        _mm512_storeu_si512(dst + 2 * i, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+}
+/* dst [n] = a as bfloat16 (as fa_bf_pairs), n a multiple of 16. */
+FA_BF16_TARGET static void fa_bf_row(const void *a, int src_bf16, int64_t n, uint16_t *dst) {
+    if (src_bf16) {
+        memcpy(dst, a, (size_t)n * 2);
+        return;
+    }
+    for (int64_t i = 0; i < n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps((const float *)a + i)));
+}
+/* s[n][m] for all np keys (a multiple of FA_R) of kb [np][d] against qb. */
+FA_BF16_TARGET static void fa_bf_scores(const uint16_t *kb, const uint16_t *qb, int64_t m, int64_t d, int64_t np,
+                                        float *s) {
+    for (int64_t n0 = 0; n0 < np; n0 += FA_R)
+        for (int64_t c = 0; c < m; c += 32) {
+            __m512 acc[FA_R][2];
+            for (int r = 0; r < FA_R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+            for (int64_t e2 = 0; e2 < d / 2; ++e2) {
+                const __m512i q0 = _mm512_loadu_si512(qb + (e2 * m + c) * 2);
+                const __m512i q1 = _mm512_loadu_si512(qb + (e2 * m + c + 16) * 2);
+                for (int r = 0; r < FA_R; ++r) {
+                    uint32_t k;
+                    memcpy(&k, kb + (n0 + r) * d + 2 * e2, 4);
+                    acc[r][0] = fa_dpbf16(acc[r][0], q0, k);
+                    acc[r][1] = fa_dpbf16(acc[r][1], q1, k);
+                }
+            }
+            for (int r = 0; r < FA_R; ++r) {
+                _mm512_storeu_ps(s + (n0 + r) * m + c, acc[r][0]);
+                _mm512_storeu_ps(s + (n0 + r) * m + c + 16, acc[r][1]);
+            }
+        }
+}
+/* o[r][..d] += sum over the np keys (even) of pb's row r against vb, for rows [0, rows4). */
+FA_BF16_TARGET static void fa_bf_pv(const uint16_t *pb, int64_t m, int64_t rows4, const uint16_t *vb, int64_t d,
+                                    int64_t np, float *o) {
+    for (int64_t m0 = 0; m0 < rows4; m0 += FA_R2)
+        for (int64_t e0 = 0; e0 < d; e0 += 16 * FA_DV) {
+            const int dv = d - e0 >= 16 * FA_DV ? FA_DV : (int)((d - e0) / 16);
+            __m512 acc[FA_R2][FA_DV];
+            for (int r = 0; r < FA_R2; ++r)
+                for (int c = 0; c < FA_DV; ++c)
+                    acc[r][c] = c < dv ? _mm512_loadu_ps(o + (m0 + r) * d + e0 + 16 * c) : _mm512_setzero_ps();
+            for (int64_t t2 = 0; t2 < np / 2; ++t2) {
+                __m512i v[FA_DV];
+                for (int c = 0; c < FA_DV; ++c)
+                    v[c] = c < dv ? _mm512_loadu_si512(vb + (t2 * d + e0 + 16 * c) * 2) : _mm512_setzero_si512();
+                for (int r = 0; r < FA_R2; ++r) {
+                    uint32_t w;
+                    memcpy(&w, pb + (t2 * m + m0 + r) * 2, 4);
+                    for (int c = 0; c < FA_DV; ++c) acc[r][c] = fa_dpbf16(acc[r][c], v[c], w);
+                }
+            }
+            for (int r = 0; r < FA_R2; ++r)
+                for (int c = 0; c < dv; ++c) _mm512_storeu_ps(o + (m0 + r) * d + e0 + 16 * c, acc[r][c]);
+        }
+}
+#else
+#define FA_BF16 0
+#endif
+int prefill_bf16_products(void) { return FA_BF16; }
+
+/* Scratch floats of one thread for rows of m query rows and head size d (and the bfloat16 copies:
+   qb, kb, vb, pb). */
+static inline int64_t fa_scratch_floats(int64_t m, int64_t d) {
+    return (d * m + FA_N * m + m * d + 2 * FA_N * d + 4 * m) * 3 / 2;
+}
 
 /* One task: kv head h, query tokens tok[0 .. nt) (rows of q at q_stride floats; their positions
    pos[]), each with the g query heads h * g ..; keys at positions 0 .. max pos through the block
    table. Writes those heads' rows of out (hq * d floats per token). */
 static void fa_tile(const void *q, int q_bf16, int64_t q_stride, const int64_t *tok, const int64_t *pos, int64_t nt,
                     const void *k_cache, const void *v_cache, int kv_kind, const int64_t *table, int64_t block_size,
-                    int64_t hq, int64_t hkv, int64_t d, int64_t h, int64_t m, float scale, void *out,
+                    int64_t hq, int64_t hkv, int64_t d, int64_t h, int64_t m, float scale, int bf, void *out,
                     float *scratch) {
     const int64_t g = hq / hkv, rows = nt * g, width = hkv * d;
     float *qt = scratch, *s = qt + d * m, *o = s + FA_N * m, *kc = o + m * d, *vc = kc + FA_N * d;
     float *mx = vc + FA_N * d, *l = mx + m, *alpha = l + m, *qp = alpha + m;
+#if FA_BF16
+    uint16_t *qb = (uint16_t *)(qp + m), *kb = qb + d * m, *vb = kb + FA_N * d, *pb = vb + FA_N * d;
+#endif
     int64_t lo = pos[0], hi = pos[0];
     for (int64_t t = 0; t < nt; ++t) { lo = pos[t] < lo ? pos[t] : lo; hi = pos[t] > hi ? pos[t] : hi; }
     for (int64_t r = 0; r < m; ++r) {  /* padded rows: zero queries that see every key */
@@ -382,23 +477,49 @@ static void fa_tile(const void *q, int q_bf16, int64_t q_stride, const int64_t *
         mx[r] = -INFINITY;
         l[r] = 0.f;
     }
+#if FA_BF16
+    if (bf) {  /* kc's first row: zeros for the padding keys' rows; qt [d][m] -> qb [d / 2][m][2] */
+        memset(kc, 0, sizeof(float) * d);
+        for (int64_t e2 = 0; e2 < d / 2; ++e2)
+            fa_bf_pairs(qt + 2 * e2 * m, qt + (2 * e2 + 1) * m, 0, m, qb + e2 * m * 2);
+    }
+#endif
     memset(o, 0, sizeof(float) * m * d);
     const int64_t len = hi + 1;
     for (int64_t k0 = 0; k0 < len; k0 += FA_N) {
         const int64_t n = len - k0 < FA_N ? len - k0 : FA_N, np = (n + FA_R - 1) / FA_R * FA_R;
-        for (int64_t t = 0; t < np; ++t) {
-            float *kd = kc + t * d, *vd = vc + t * d;
-            if (t < n) {
+#if FA_BF16
+        if (bf) {  /* the chunk's rows straight from the pages: K -> kb [np][d], V -> vb [np / 2][d][2] */
+            const void *vr[FA_N];
+            for (int64_t t = 0; t < np; ++t) {
                 const int64_t p = k0 + t, idx = (table[p / block_size] * block_size + p % block_size) * width + h * d;
-                load_row(k_cache, idx, d, kv_kind, kd);
-                load_row(v_cache, idx, d, kv_kind, vd);
-            } else {
-                memset(kd, 0, sizeof(float) * d);
-                memset(vd, 0, sizeof(float) * d);
+                const void *kr = t >= n ? (const void *)kc  /* zeros */
+                                 : kv_kind == ROW_BF16 ? (const void *)((const uint16_t *)k_cache + idx)
+                                 : (const void *)((const float *)k_cache + idx);
+                vr[t] = t >= n ? (const void *)kc : kv_kind == ROW_BF16 ? (const void *)((const uint16_t *)v_cache + idx)
+                                                  : (const void *)((const float *)v_cache + idx);
+                fa_bf_row(kr, kv_kind == ROW_BF16, d, kb + t * d);
             }
+            for (int64_t t2 = 0; t2 < np / 2; ++t2)
+                fa_bf_pairs(vr[2 * t2], vr[2 * t2 + 1], kv_kind == ROW_BF16, d, vb + t2 * d * 2);
+            fa_bf_scores(kb, qb, m, d, np, s);
+        } else
+#endif
+        {
+            for (int64_t t = 0; t < np; ++t) {
+                float *kd = kc + t * d, *vd = vc + t * d;
+                if (t < n) {
+                    const int64_t p = k0 + t, idx = (table[p / block_size] * block_size + p % block_size) * width + h * d;
+                    load_row(k_cache, idx, d, kv_kind, kd);
+                    load_row(v_cache, idx, d, kv_kind, vd);
+                } else {
+                    memset(kd, 0, sizeof(float) * d);
+                    memset(vd, 0, sizeof(float) * d);
+                }
+            }
+            for (int64_t n0 = 0; n0 < np; n0 += FA_R)
+                for (int64_t c = 0; c < m; c += 2 * FA_VW) fa_scores(kc, qt, m, d, n0, c, s);
         }
-        for (int64_t n0 = 0; n0 < np; n0 += FA_R)
-            for (int64_t c = 0; c < m; c += 2 * FA_VW) fa_scores(kc, qt, m, d, n0, c, s);
         if (k0 + np - 1 > lo)  /* some key of the chunk lies past some query: mask it */
             for (int64_t t = 0; t < np; ++t) {
                 const float kp = (float)(k0 + t);
@@ -427,6 +548,14 @@ static void fa_tile(const void *q, int q_bf16, int64_t q_stride, const int64_t *
             for (int64_t e = 0; e < d; ++e) o[r * d + e] *= alpha[r];
         }
         const int64_t rows4 = (rows + FA_R2 - 1) / FA_R2 * FA_R2;
+#if FA_BF16
+        if (bf) {
+            for (int64_t t2 = 0; t2 < np / 2; ++t2)
+                fa_bf_pairs(s + 2 * t2 * m, s + (2 * t2 + 1) * m, 0, m, pb + t2 * m * 2);
+            fa_bf_pv(pb, m, rows4, vb, d, np, o);
+            continue;
+        }
+#endif
         for (int64_t m0 = 0; m0 < rows4; m0 += FA_R2) {
             int64_t e0 = 0;
             for (; e0 + FA_DV * FA_VW <= d; e0 += FA_DV * FA_VW) fa_pv(FA_DV, s, m, m0, vc, d, e0, np, o);
@@ -456,12 +585,14 @@ int64_t prefill_vector_width(void) { return FA_VW; }
    token rows q_stride elements apart), out [T, hq, d] contiguous, q's dtype; request i's query tokens
    are [starts[i], starts[i + 1]), at positions pos[starts[i] ..] (pos NULL: the last ones of its
    seq_lens[i] positions); K/V are caches [blocks, block_size, hkv, d] of kv_kind (ROW_F32 or
-   ROW_BF16) that hold every position up to each query's own; scores are q.k * scale. */
+   ROW_BF16) that hold every position up to each query's own; scores are q.k * scale. bf16_products:
+   the dot products in bfloat16 (float32 sums) where this build has them (prefill_bf16_products()). */
 void paged_prefill(const void *q, int q_bf16, int64_t q_stride, const void *k_cache, const void *v_cache,
                    int kv_kind, void *out, const int64_t *tables, int64_t table_stride, const int64_t *starts,
                    const int64_t *seq_lens, const int64_t *pos, int64_t r0, int64_t r1, int64_t hq, int64_t hkv,
-                   int64_t d, int64_t block_size, float scale, int num_threads) {
+                   int64_t d, int64_t block_size, float scale, int bf16_products, int num_threads) {
     const int64_t g = hq / hkv, tq = prefill_tile_tokens(g);
+    const int bf = FA_BF16 && bf16_products && d % 16 == 0;
     const int64_t m = (tq * g + 2 * FA_VW - 1) / (2 * FA_VW) * (2 * FA_VW);
     int64_t ntasks = 0, ntok = starts[r1] - starts[r0];
     for (int64_t i = r0; i < r1; ++i) ntasks += (starts[i + 1] - starts[i] + tq - 1) / tq * hkv;
@@ -489,7 +620,7 @@ void paged_prefill(const void *q, int q_bf16, int64_t q_stride, const void *k_ca
             const int64_t i = task[3 * x], t0 = task[3 * x + 1], h = task[3 * x + 2];
             const int64_t n = starts[i + 1] - t0 < tq ? starts[i + 1] - t0 : tq, off = t0 - starts[r0];
             fa_tile(q, q_bf16, q_stride, tok + off, tpos + off, n, k_cache, v_cache, kv_kind, tables + i * table_stride,
-                    block_size, hq, hkv, d, h, m, scale, out, scratch);
+                    block_size, hq, hkv, d, h, m, scale, bf, out, scratch);
         }
         free(scratch);
     }
