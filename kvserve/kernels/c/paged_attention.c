@@ -315,16 +315,16 @@ static inline fa_vec fa_load(const float *p) { return *(const fa_vec *)p; }
 static inline void fa_store(float *p, fa_vec v) { *(fa_vec *)p = v; }
 static inline fa_vec fa_splat(float x) { return (fa_vec){0} + x; }
 
-/* S[n][c..c + 2 VW) for the FA_R keys n0.. of kc [FA_N][d]: sum over e of kc[n][e] qt[e][c..]. */
-static inline __attribute__((always_inline)) void fa_scores(const float *kc, const float *qt, int64_t m, int64_t d,
-                                                            int64_t n0, int64_t c, float *s) {
+/* S[n][c..c + 2 VW) for the FA_R keys n0.. (rows kr[n], d floats each): sum over e of kr[n][e] qt[e][c..]. */
+static inline __attribute__((always_inline)) void fa_scores(const float *const *kr, const float *qt, int64_t m,
+                                                            int64_t d, int64_t n0, int64_t c, float *s) {
     fa_vec acc[FA_R][2];
     for (int r = 0; r < FA_R; ++r) acc[r][0] = acc[r][1] = fa_splat(0.f);
     for (int64_t e = 0; e < d; ++e) {
         const fa_vec q0 = fa_load(qt + e * m + c), q1 = fa_load(qt + e * m + c + FA_VW);
         #pragma GCC unroll 16
         for (int r = 0; r < FA_R; ++r) {
-            const fa_vec k = fa_splat(kc[(n0 + r) * d + e]);
+            const fa_vec k = fa_splat(kr[n0 + r][e]);
             acc[r][0] += k * q0;
             acc[r][1] += k * q1;
         }
@@ -334,16 +334,17 @@ static inline __attribute__((always_inline)) void fa_scores(const float *kc, con
         fa_store(s + (n0 + r) * m + c + FA_VW, acc[r][1]);
     }
 }
-/* o[m0 + r][e0 .. e0 + DV VW) += sum over the n keys of p[n][m0 + r] vc[n][e0 ..], r < FA_R2. */
+/* o[m0 + r][e0 .. e0 + DV VW) += sum over the n keys of p[n][m0 + r] vr[n][e0 ..], r < FA_R2. */
 static inline __attribute__((always_inline)) void fa_pv(const int DV, const float *p, int64_t m, int64_t m0,
-                                                        const float *vc, int64_t d, int64_t e0, int64_t n, float *o) {
+                                                        const float *const *vr, int64_t d, int64_t e0, int64_t n,
+                                                        float *o) {
     fa_vec acc[FA_R2][FA_DV];
     for (int r = 0; r < FA_R2; ++r)
         for (int c = 0; c < DV; ++c) acc[r][c] = fa_load(o + (m0 + r) * d + e0 + c * FA_VW);
     for (int64_t t = 0; t < n; ++t) {
         fa_vec v[FA_DV];
         for (int c = 0; c < DV; ++c) {
-            v[c] = fa_load(vc + t * d + e0 + c * FA_VW);
+            v[c] = fa_load(vr[t] + e0 + c * FA_VW);
 #if defined(__x86_64__)
             __asm__("" : "+v"(v[c]));  /* loaded once into a register, not once per row as an FMA operand */
 #endif
@@ -447,10 +448,10 @@ FA_BF16_TARGET static void fa_bf_pv(const uint16_t *pb, int64_t m, int64_t rows4
 #endif
 int prefill_bf16_products(void) { return FA_BF16; }
 
-/* Scratch floats of one thread for rows of m query rows and head size d (and the bfloat16 copies:
-   qb, kb, vb, pb). */
+/* Scratch floats of one thread for rows of m query rows and head size d (fa_tile's layout: qt, s, o,
+   kc, vc, mx, l, alpha, qp, a zero row, then the bfloat16 copies qb, kb, vb, pb). */
 static inline int64_t fa_scratch_floats(int64_t m, int64_t d) {
-    return (d * m + FA_N * m + m * d + 2 * FA_N * d + 4 * m) * 3 / 2;
+    return d * m + FA_N * m + m * d + 2 * FA_N * d + 4 * m + d + (d * m + 2 * FA_N * d + FA_N * m + 1) / 2;
 }
 
 /* One task: kv head h, query tokens tok[0 .. nt) (rows of q at q_stride floats; their positions
@@ -462,9 +463,9 @@ static void fa_tile(const void *q, int q_bf16, int64_t q_stride, const int64_t *
                     float *scratch) {
     const int64_t g = hq / hkv, rows = nt * g, width = hkv * d;
     float *qt = scratch, *s = qt + d * m, *o = s + FA_N * m, *kc = o + m * d, *vc = kc + FA_N * d;
-    float *mx = vc + FA_N * d, *l = mx + m, *alpha = l + m, *qp = alpha + m;
+    float *mx = vc + FA_N * d, *l = mx + m, *alpha = l + m, *qp = alpha + m, *zero = qp + m;
 #if FA_BF16
-    uint16_t *qb = (uint16_t *)(qp + m), *kb = qb + d * m, *vb = kb + FA_N * d, *pb = vb + FA_N * d;
+    uint16_t *qb = (uint16_t *)(zero + d), *kb = qb + d * m, *vb = kb + FA_N * d, *pb = vb + FA_N * d;
 #endif
     int64_t lo = pos[0], hi = pos[0];
     for (int64_t t = 0; t < nt; ++t) { lo = pos[t] < lo ? pos[t] : lo; hi = pos[t] > hi ? pos[t] : hi; }
@@ -477,48 +478,54 @@ static void fa_tile(const void *q, int q_bf16, int64_t q_stride, const int64_t *
         mx[r] = -INFINITY;
         l[r] = 0.f;
     }
+    memset(zero, 0, sizeof(float) * d);  /* the padding keys' row (float32 or bfloat16 zeros) */
 #if FA_BF16
-    if (bf) {  /* kc's first row: zeros for the padding keys' rows; qt [d][m] -> qb [d / 2][m][2] */
-        memset(kc, 0, sizeof(float) * d);
+    if (bf) {  /* qt [d][m] -> qb [d / 2][m][2] */
         for (int64_t e2 = 0; e2 < d / 2; ++e2)
             fa_bf_pairs(qt + 2 * e2 * m, qt + (2 * e2 + 1) * m, 0, m, qb + e2 * m * 2);
     }
 #endif
     memset(o, 0, sizeof(float) * m * d);
     const int64_t len = hi + 1;
+    const float *kr[FA_N], *vr[FA_N];  /* the chunk's K and V rows (float32 path) */
     for (int64_t k0 = 0; k0 < len; k0 += FA_N) {
         const int64_t n = len - k0 < FA_N ? len - k0 : FA_N, np = (n + FA_R - 1) / FA_R * FA_R;
 #if FA_BF16
         if (bf) {  /* the chunk's rows straight from the pages: K -> kb [np][d], V -> vb [np / 2][d][2] */
-            const void *vr[FA_N];
+            const void *vbr[FA_N];
             for (int64_t t = 0; t < np; ++t) {
                 const int64_t p = k0 + t, idx = (table[p / block_size] * block_size + p % block_size) * width + h * d;
-                const void *kr = t >= n ? (const void *)kc  /* zeros */
+                const void *kr = t >= n ? (const void *)zero
                                  : kv_kind == ROW_BF16 ? (const void *)((const uint16_t *)k_cache + idx)
                                  : (const void *)((const float *)k_cache + idx);
-                vr[t] = t >= n ? (const void *)kc : kv_kind == ROW_BF16 ? (const void *)((const uint16_t *)v_cache + idx)
+                vbr[t] = t >= n ? (const void *)zero : kv_kind == ROW_BF16 ? (const void *)((const uint16_t *)v_cache + idx)
                                                   : (const void *)((const float *)v_cache + idx);
                 fa_bf_row(kr, kv_kind == ROW_BF16, d, kb + t * d);
             }
             for (int64_t t2 = 0; t2 < np / 2; ++t2)
-                fa_bf_pairs(vr[2 * t2], vr[2 * t2 + 1], kv_kind == ROW_BF16, d, vb + t2 * d * 2);
+                fa_bf_pairs(vbr[2 * t2], vbr[2 * t2 + 1], kv_kind == ROW_BF16, d, vb + t2 * d * 2);
             fa_bf_scores(kb, qb, m, d, np, s);
         } else
 #endif
-        {
+        {  /* a float32 cache's rows read in place; a bfloat16 cache's converted into kc / vc */
             for (int64_t t = 0; t < np; ++t) {
-                float *kd = kc + t * d, *vd = vc + t * d;
                 if (t < n) {
                     const int64_t p = k0 + t, idx = (table[p / block_size] * block_size + p % block_size) * width + h * d;
-                    load_row(k_cache, idx, d, kv_kind, kd);
-                    load_row(v_cache, idx, d, kv_kind, vd);
+                    if (kv_kind == ROW_F32) {
+                        kr[t] = (const float *)k_cache + idx;
+                        vr[t] = (const float *)v_cache + idx;
+                    } else {
+                        load_row(k_cache, idx, d, kv_kind, kc + t * d);
+                        load_row(v_cache, idx, d, kv_kind, vc + t * d);
+                        kr[t] = kc + t * d;
+                        vr[t] = vc + t * d;
+                    }
                 } else {
-                    memset(kd, 0, sizeof(float) * d);
-                    memset(vd, 0, sizeof(float) * d);
+                    kr[t] = vr[t] = zero;
                 }
             }
             for (int64_t n0 = 0; n0 < np; n0 += FA_R)
-                for (int64_t c = 0; c < m; c += 2 * FA_VW) fa_scores(kc, qt, m, d, n0, c, s);
+                for (int64_t c = 0; c < m; c += 2 * FA_VW) fa_scores(kr, qt, m, d, n0, c, s);
         }
         if (k0 + np - 1 > lo)  /* some key of the chunk lies past some query: mask it */
             for (int64_t t = 0; t < np; ++t) {
@@ -558,8 +565,8 @@ static void fa_tile(const void *q, int q_bf16, int64_t q_stride, const int64_t *
 #endif
         for (int64_t m0 = 0; m0 < rows4; m0 += FA_R2) {
             int64_t e0 = 0;
-            for (; e0 + FA_DV * FA_VW <= d; e0 += FA_DV * FA_VW) fa_pv(FA_DV, s, m, m0, vc, d, e0, np, o);
-            for (; e0 < d; e0 += FA_VW) fa_pv(1, s, m, m0, vc, d, e0, np, o);
+            for (; e0 + FA_DV * FA_VW <= d; e0 += FA_DV * FA_VW) fa_pv(FA_DV, s, m, m0, vr, d, e0, np, o);
+            for (; e0 < d; e0 += FA_VW) fa_pv(1, s, m, m0, vr, d, e0, np, o);
         }
     }
     for (int64_t r = 0; r < rows; ++r) {
