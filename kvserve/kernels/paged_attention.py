@@ -12,6 +12,7 @@ when no C compiler is available the torch path is used instead.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 
@@ -133,9 +134,10 @@ def supports_prefill(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and q.shape[-1] % _lib.prefill_vector_width() == 0 and q.stride(-1) == 1 and q.stride(1) == q.shape[-1])
 
 
+@functools.cache
 def bf16_products() -> bool:
     """Whether paged_prefill can take its dot products in bfloat16 here: a build with them (AVX-512
-    levels) on a CPU with AVX512-BF16 (vdpbf16ps)."""
+    levels) on a CPU with AVX512-BF16 (vdpbf16ps). Asked once (paged_prefill asks on every call)."""
     lib = load_kernel()
     return lib is not None and bool(lib.prefill_bf16_products()) and "avx512_bf16" in cpu.cpu_flags()
 

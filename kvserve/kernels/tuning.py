@@ -477,7 +477,7 @@ def choose_prefill_attention(shape: list, kernel_source: str,
         t = entry["times"]
         best = pick_attention(t)
         other = next(n for n in t if n != best)
-        case = cases[-1]  # the long context: where the two differ most in time
+        case = cases[-1]  # the long context: where the paths differ most in time
         f = fns(case)
         return spot_check([(f"attention {case}", best, f[best], other, f[other], t[best][case] / t[other][case])])
 

@@ -624,13 +624,29 @@ def attention_clock(table: dict[str, dict[str, float]]) -> Callable[[str, int], 
     return lambda label, n: table[label.split("@")[0]][label.split(" ")[-1]]
 
 
+def prefill_kernel_calls(backend, monkeypatch) -> list[tuple]:
+    """The C prefill kernel's calls (argument tuples; the kernel itself not run) while `backend`
+    runs one request's 5-token prefill chunk after 4 cached tokens (8 query heads, 2 kv heads, 64 wide)."""
+    from kvserve.attention import AttentionMetadata
+    from kvserve.kernels import paged_attention
+
+    calls = []
+    monkeypatch.setattr(paged_attention, "paged_prefill", lambda *a: calls.append(a))
+    q, kc = torch.randn(5, 8, 64), torch.randn(4, 4, 2, 64)
+    meta = AttentionMetadata(num_decodes=0, query_start_loc=[0, 5], seq_lens=[9], slot_mapping=torch.arange(4, 9),
+                             block_tables=torch.tensor([[0, 1, 2]]), seq_lens_tensor=torch.tensor([9]), block_size=4)
+    k_new = torch.randn(5, 2, 64)
+    backend.forward(q, k_new, k_new, kc, kc.clone(), meta, 0.125)
+    return calls
+
+
 def test_prefill_attention_takes_the_path_that_sums_less(cache, monkeypatch, caplog):
     """Summed over a short and a long context: a kernel that wins short but loses more at long
     contexts (as on an AVX2 imitation with 128-wide heads) gives way to SDPA, and the backend then
     runs its prefills through the torch path; the cached decision is spot-checked at the next start
     and `kvserve env` shows it."""
     from kvserve import env
-    from kvserve.attention import AttentionMetadata, get_backend
+    from kvserve.attention import get_backend
     from kvserve.kernels import paged_attention
 
     backend = get_backend("cpu")
@@ -644,14 +660,7 @@ def test_prefill_attention_takes_the_path_that_sums_less(cache, monkeypatch, cap
         backend.tune(8, 2, 64, torch.float32)
     assert not backend.prefill_kernel and "prefill attention -> sdpa (measured" in caplog.text
     assert clock.count[f"kernel@attention {long}"] == evidence.ROUNDS
-    calls = []
-    monkeypatch.setattr(paged_attention, "paged_prefill", lambda *a: calls.append(a))
-    q, kc = torch.randn(5, 8, 64), torch.randn(4, 4, 2, 64)
-    meta = AttentionMetadata(num_decodes=0, query_start_loc=[0, 5], seq_lens=[9], slot_mapping=torch.arange(4, 9),
-                             block_tables=torch.tensor([[0, 1, 2]]), seq_lens_tensor=torch.tensor([9]), block_size=4)
-    k_new = torch.randn(5, 2, 64)
-    backend.forward(q, k_new, k_new, kc, kc.clone(), meta, 0.125)
-    assert calls == []  # SDPA served the prefill
+    assert prefill_kernel_calls(backend, monkeypatch) == []  # SDPA served the prefill
     (line,) = [env._tuning_line(e) for e in env._cache()["tuning"] if e["kind"] == "attention"]
     assert line.startswith("prefill attention: sdpa chosen; kernel 10.00 ms at 256x512, 80.00 ms at 256x2048;")
     use_clock(monkeypatch, attention_clock({"kernel": {short: 0.010, long: 0.030},
@@ -667,7 +676,7 @@ def test_prefill_attention_offers_bf16_products_only_where_allowed(cache, monkey
     """The kernel with bfloat16 products is a candidate only when the caller allows it (the model's
     prefill linears take int8 codes) and this build and CPU have them; chosen, the backend's
     prefills run it."""
-    from kvserve.attention import AttentionMetadata, get_backend
+    from kvserve.attention import get_backend
     from kvserve.kernels import paged_attention
 
     probe = torch.empty(1, 8, 64)
@@ -687,10 +696,5 @@ def test_prefill_attention_offers_bf16_products_only_where_allowed(cache, monkey
         return
     assert backend.prefill_kernel and backend.prefill_bf16
     assert clock.count[f"kernel_bf16@attention {long}"] == evidence.ROUNDS
-    calls = []
-    monkeypatch.setattr(paged_attention, "paged_prefill", lambda *a: calls.append(a))
-    q, kc = torch.randn(5, 8, 64), torch.randn(4, 4, 2, 64)
-    meta = AttentionMetadata(num_decodes=0, query_start_loc=[0, 5], seq_lens=[9], slot_mapping=torch.arange(4, 9),
-                             block_tables=torch.tensor([[0, 1, 2]]), seq_lens_tensor=torch.tensor([9]), block_size=4)
-    backend.forward(q, torch.randn(5, 2, 64), torch.randn(5, 2, 64), kc, kc.clone(), meta, 0.125)
+    calls = prefill_kernel_calls(backend, monkeypatch)
     assert len(calls) == 1 and calls[0][-1] is True  # bf16=True

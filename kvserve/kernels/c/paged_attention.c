@@ -72,6 +72,10 @@ static inline void load_row(const void *base, int64_t idx, int64_t d, int kind, 
     }
 }
 
+/* The row at element idx of a float32 or bfloat16 cache (kind). */
+static inline const void *cache_row(const void *cache, int kind, int64_t idx) {
+    return kind == ROW_BF16 ? (const void *)((const uint16_t *)cache + idx) : (const void *)((const float *)cache + idx);
+}
 /* rows[i] = position t0 + i's row (i < n) of kv heads [kh0, kh0 + w / d) as floats: the cache's own
    row for a float32 cache, else converted into buf [n * w]. */
 static void gather_rows(const void *cache, const int64_t *table, int64_t t0, int64_t n, int64_t block_size,
@@ -487,46 +491,43 @@ static void fa_tile(const void *q, int q_bf16, int64_t q_stride, const int64_t *
 #endif
     memset(o, 0, sizeof(float) * m * d);
     const int64_t len = hi + 1;
-    const float *kr[FA_N], *vr[FA_N];  /* the chunk's K and V rows (float32 path) */
+    const float *kr[FA_N], *vr[FA_N];  /* the chunk's K and V rows as float32 */
+#if FA_BF16
+    const void *vb_rows[FA_N];  /* its V rows as the pages hold them (bfloat16 products) */
+#endif
     for (int64_t k0 = 0; k0 < len; k0 += FA_N) {
         const int64_t n = len - k0 < FA_N ? len - k0 : FA_N, np = (n + FA_R - 1) / FA_R * FA_R;
+        for (int64_t t = 0; t < np; ++t) {  /* the chunk's K/V rows in the pages; zeros past its keys */
+            const int64_t p = k0 + t;
+            const int64_t idx = t < n ? (table[p / block_size] * block_size + p % block_size) * width + h * d : 0;
+            const void *kp = t < n ? cache_row(k_cache, kv_kind, idx) : zero;
+            const void *vp = t < n ? cache_row(v_cache, kv_kind, idx) : zero;
 #if FA_BF16
-        if (bf) {  /* the chunk's rows straight from the pages: K -> kb [np][d], V -> vb [np / 2][d][2] */
-            const void *vbr[FA_N];
-            for (int64_t t = 0; t < np; ++t) {
-                const int64_t p = k0 + t, idx = (table[p / block_size] * block_size + p % block_size) * width + h * d;
-                const void *kr = t >= n ? (const void *)zero
-                                 : kv_kind == ROW_BF16 ? (const void *)((const uint16_t *)k_cache + idx)
-                                 : (const void *)((const float *)k_cache + idx);
-                vbr[t] = t >= n ? (const void *)zero : kv_kind == ROW_BF16 ? (const void *)((const uint16_t *)v_cache + idx)
-                                                  : (const void *)((const float *)v_cache + idx);
-                fa_bf_row(kr, kv_kind == ROW_BF16, d, kb + t * d);
+            if (bf) {  /* K -> kb [np][d] now, V -> vb [np / 2][d][2] below */
+                fa_bf_row(kp, kv_kind == ROW_BF16, d, kb + t * d);
+                vb_rows[t] = vp;
+                continue;
             }
+#endif
+            if (kv_kind == ROW_F32 || t >= n) {  /* read in place */
+                kr[t] = kp;
+                vr[t] = vp;
+            } else {  /* a bfloat16 cache's rows converted into kc / vc */
+                load_row(k_cache, idx, d, kv_kind, kc + t * d);
+                load_row(v_cache, idx, d, kv_kind, vc + t * d);
+                kr[t] = kc + t * d;
+                vr[t] = vc + t * d;
+            }
+        }
+#if FA_BF16
+        if (bf) {
             for (int64_t t2 = 0; t2 < np / 2; ++t2)
-                fa_bf_pairs(vbr[2 * t2], vbr[2 * t2 + 1], kv_kind == ROW_BF16, d, vb + t2 * d * 2);
+                fa_bf_pairs(vb_rows[2 * t2], vb_rows[2 * t2 + 1], kv_kind == ROW_BF16, d, vb + t2 * d * 2);
             fa_bf_scores(kb, qb, m, d, np, s);
         } else
 #endif
-        {  /* a float32 cache's rows read in place; a bfloat16 cache's converted into kc / vc */
-            for (int64_t t = 0; t < np; ++t) {
-                if (t < n) {
-                    const int64_t p = k0 + t, idx = (table[p / block_size] * block_size + p % block_size) * width + h * d;
-                    if (kv_kind == ROW_F32) {
-                        kr[t] = (const float *)k_cache + idx;
-                        vr[t] = (const float *)v_cache + idx;
-                    } else {
-                        load_row(k_cache, idx, d, kv_kind, kc + t * d);
-                        load_row(v_cache, idx, d, kv_kind, vc + t * d);
-                        kr[t] = kc + t * d;
-                        vr[t] = vc + t * d;
-                    }
-                } else {
-                    kr[t] = vr[t] = zero;
-                }
-            }
-            for (int64_t n0 = 0; n0 < np; n0 += FA_R)
-                for (int64_t c = 0; c < m; c += 2 * FA_VW) fa_scores(kr, qt, m, d, n0, c, s);
-        }
+        for (int64_t n0 = 0; n0 < np; n0 += FA_R)
+            for (int64_t c = 0; c < m; c += 2 * FA_VW) fa_scores(kr, qt, m, d, n0, c, s);
         if (k0 + np - 1 > lo)  /* some key of the chunk lies past some query: mask it */
             for (int64_t t = 0; t < np; ++t) {
                 const float kp = (float)(k0 + t);
