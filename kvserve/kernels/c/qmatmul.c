@@ -1243,6 +1243,10 @@ static void il_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, 
     int32_t *cpk;
     float *pdk, *psk;
     int8_t *xp = il8_packed(xq, xd, xs, M, K, 0, &cpk, &pdk, &psk);
+    /* Factored scales (SC_K) are widened once per group (or pair) into float32 scales and centred
+       offsets, k_widen's bits, which are the tiles' own arithmetic, and every run of tokens reads
+       them (SC_F32) instead of computing them again: 1.07x at 256 tokens on 1.1B shapes (Zen 4). */
+    float *wide = scl == SC_K && M > 8 ? scale_scratch((size_t)(32 * nb)) : 0;
     for (int64_t g = n0 >> 3, step; g * 8 < n1; g += step) {
         const uint8_t *wg = wq + g * nb * 128;
         const void *dg, *cg;
@@ -1250,6 +1254,13 @@ static void il_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, 
         /* two groups at a time in 512-bit registers where both are this share's, for runs of 8 */
         const int pair = HAS_IL8Z && (g + 1) * 8 < n1;
         step = pair ? 2 : 1;
+        int gscl = scl;  /* the scales as this group's tiles read them */
+        if (wide) {  /* [group][block][8 rows], d then c: group g + 1's at nb * 8 */
+            k_widen((const uint8_t *)dg, (const uint16_t *)cg, 8 * step, nb, 1, wide, wide + 16 * nb);
+            dg = wide;
+            cg = wide + 16 * nb;
+            gscl = SC_F32;
+        }
         for (int64_t t0 = 0, T; t0 < M; t0 += T) {
             T = M - t0 >= 8 ? 8 : M - t0 >= 4 ? 4 : M - t0 >= 2 ? 2 : 1;
             const int8_t *xt = xp + t0 * K;  /* this run's packed codes */
@@ -1259,15 +1270,18 @@ static void il_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, 
             if (pair) {
                 __m512 oz[8];
                 if (T == 8) {
-                    if (scl == SC_K) il8z_tile(SC_K, wg, dg, cg, nb, xt, cp, pd, ps, oz);
-                    else if (scl == SC_F16) il8z_tile(SC_F16, wg, dg, cg, nb, xt, cp, pd, ps, oz);
+                    if (gscl == SC_K) il8z_tile(SC_K, wg, dg, cg, nb, xt, cp, pd, ps, oz);
+                    else if (gscl == SC_F16) il8z_tile(SC_F16, wg, dg, cg, nb, xt, cp, pd, ps, oz);
                     else il8z_tile(SC_F32, wg, dg, cg, nb, xt, cp, pd, ps, oz);
                 } else {  /* the last few tokens: each group as below */
                     __m256 lo[8], hi[8];
                     const void *dg2, *cg2;
-                    il_group_scales(wd, wc, scl, g + 1, nb, &dg2, &cg2);
-                    il8_run(T, scl, wg, dg, cg, nb, xt, cp, pd, ps, lo);
-                    il8_run(T, scl, wg + nb * 128, dg2, cg2, nb, xt, cp, pd, ps, hi);
+                    if (wide) {
+                        dg2 = (const float *)dg + nb * 8;
+                        cg2 = (const float *)cg + nb * 8;
+                    } else il_group_scales(wd, wc, scl, g + 1, nb, &dg2, &cg2);
+                    il8_run(T, gscl, wg, dg, cg, nb, xt, cp, pd, ps, lo);
+                    il8_run(T, gscl, wg + nb * 128, dg2, cg2, nb, xt, cp, pd, ps, hi);
                     for (int t = 0; t < T; ++t)
                         oz[t] = _mm512_insertf32x8(_mm512_castps256_ps512(lo[t]), hi[t], 1);
                 }
@@ -1280,7 +1294,7 @@ static void il_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, 
             }
 #endif
             __m256 o[8];
-            il8_run(T, scl, wg, dg, cg, nb, xt, cp, pd, ps, o);
+            il8_run(T, gscl, wg, dg, cg, nb, xt, cp, pd, ps, o);
             for (int t = 0; t < T; ++t) {
                 float out[8];
                 _mm256_storeu_ps(out, o[t]);
