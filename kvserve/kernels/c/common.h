@@ -112,4 +112,67 @@ static inline float vexpf(float x) {
     memcpy(&e, &u, 4);
     return e;
 }
+/* Token m of M in the runs a prefill's int8 kernels take tokens in (runs of 8 while 8 are left,
+   then 4, 2 and 1 of the rest): the run's first token *s and length *T. */
+static inline void token_run(int64_t m, int64_t M, int64_t *s, int64_t *T) {
+    const int64_t whole = M & ~(int64_t)7;
+    *s = m & ~(int64_t)7;
+    *T = 8;
+    if (m >= whole)
+        for (*s = whole, *T = 4; *T; *T >>= 1)
+            if ((M - whole) & *T) {
+                if (m < *s + *T) return;
+                *s += *T;
+            }
+}
+
+/* One 32-value block of activations as int8 codes: scale *d = amax / 127, codes round(x 127 / amax)
+   (halves away from zero) into dst, as unsigned bytes q + 128 with flip; *sum the block's exact float
+   sum. Returns the sum of the codes. */
+static inline int32_t block_codes8(const float *src, int8_t *dst, int flip, float *d, float *sum) {
+#if defined(__AVX2__)
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 v[4], mx = _mm256_setzero_ps(), sm = _mm256_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+        v[c] = _mm256_loadu_ps(src + 8 * c);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[c]));
+        sm = _mm256_add_ps(sm, v[c]);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    *sum = hsum8(sm);
+    *d = amax / 127.f;
+    const __m256 id = _mm256_set1_ps(*d > 0.f ? 127.f / amax : 0.f), half = _mm256_set1_ps(.5f);
+    __m256i q[4], qs = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+        const __m256 t = _mm256_mul_ps(v[c], id);
+        q[c] = _mm256_cvttps_epi32(_mm256_add_ps(t, _mm256_or_ps(half, _mm256_and_ps(t, sign))));
+        qs = _mm256_add_epi32(qs, q[c]);
+    }
+    /* packs work per 128-bit lane: 4-code pieces come out as q0 q1 q2 q3 (low halves), then the high halves */
+    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if (flip) b = _mm256_xor_si256(b, _mm256_set1_epi8((char)0x80));
+    _mm256_storeu_si256((__m256i *)dst, b);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(qs), _mm256_extracti128_si256(qs, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    return _mm_cvtsi128_si32(s4);
+#else
+    float amax = 0.f, s = 0.f;
+    for (int j = 0; j < 32; ++j) { const float a = fabsf(src[j]); amax = a > amax ? a : amax; s += src[j]; }
+    *sum = s;
+    *d = amax / 127.f;
+    const float id = *d > 0.f ? 127.f / amax : 0.f;
+    int32_t isum = 0;
+    for (int j = 0; j < 32; ++j) {
+        const float t = src[j] * id;
+        const int q = (int)(t + (t >= 0.f ? .5f : -.5f));
+        isum += q;
+        dst[j] = (int8_t)(flip ? (uint8_t)(q + 128) : q);
+    }
+    return isum;
+#endif
+}
 #endif /* KVSERVE_COMMON_H */

@@ -91,7 +91,7 @@ static void lin_run(const Lin *L, const float *x, int64_t m, float *y, int64_t l
         kq_quantize(x, L->k, m, L->k, (int16_t *)xq, xs, xs + m * nb, 1);  /* implicit barrier */
     } else if (L->kind != LIN_DENSE) {
         #pragma omp single
-        prepare_act(act, x, L->k, m, L->k, xq, xs, 1);  /* implicit barrier */
+        prepare_act(act, (int)L->kind, x, L->k, m, L->k, xq, xs, 1);  /* implicit barrier */
     }
     const int64_t unit = L->n % 8 == 0 ? 8 : 1, units = L->n / unit;
     int64_t pieces = (int64_t)omp_get_num_threads() * LIN_PIECES_PER_THREAD;

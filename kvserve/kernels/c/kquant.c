@@ -610,27 +610,10 @@ static void kq8_quantize(const float *x, int64_t ldx, int64_t M, int64_t K, uint
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
     for (int64_t i = 0; i < M * nb; ++i) {
         const int64_t m = i / nb, b = i % nb;
-        /* the run holding token m: runs of 8 while 8 are left, then 4, 2 and 1 of the rest */
-        const int64_t whole = M & ~(int64_t)7;
-        int64_t s = m & ~(int64_t)7, T = 8;
-        if (m >= whole)
-            for (s = whole, T = 4; T; T >>= 1)
-                if ((M - whole) & T) {
-                    if (m < s + T) break;
-                    s += T;
-                }
-        const float *src = x + m * ldx + b * 32;
-        float amax = 0.f, sum = 0.f;
-        for (int j = 0; j < 32; ++j) { const float a = fabsf(src[j]); amax = a > amax ? a : amax; sum += src[j]; }
-        const float id = amax > 0.f ? 127.f / amax : 0.f;
+        int64_t s, T;
+        token_run(m, M, &s, &T);
         const int64_t o = s * nb + b * T + (m - s);
-        uint8_t *dst = xp + s * K + (b * T + (m - s)) * 32;
-        for (int j = 0; j < 32; ++j) {
-            const float v = src[j] * id;
-            dst[j] = (uint8_t)((int)(v + (v >= 0.f ? .5f : -.5f)) + 128);
-        }
-        xd[o] = amax / 127.f;
-        xs[o] = sum;
+        block_codes8(x + m * ldx + b * 32, (int8_t *)xp + o * 32, 1, xd + o, xs + o);
     }
 }
 /* One 16-weight half's 8 row sums: 4 chunks of codes w against 4 x 4 activation bytes x4. Without

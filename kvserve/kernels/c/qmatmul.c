@@ -58,6 +58,26 @@ static void quantize_codes(const float *x, int64_t ldx, int64_t M, int64_t K, vo
     }
 }
 
+/* x [M, K] (row stride ldx) as int8 codes per 32-value block (block_codes8), packed for il8_tile:
+   tokens in runs of 8, then of 4, 2 and 1 (token_run: the runs il_int8 takes), each run block by
+   block. In xp: the codes [M K] (token t of the run from t0, block b at (t0 nb + b T + t) 32), then
+   at the same index per block 8 x the code sum cp (int32), the scale pd and the exact float sum ps
+   ([M nb] each); with flip, the codes as unsigned bytes q + 128 (il8b_tile). Quantized straight
+   into this layout, once per product, by every thread. */
+static void quantize_packed(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *xp, int flip, int nthreads) {
+    const int64_t nb = K / 32;
+    int32_t *cp = (int32_t *)(xp + M * K);
+    float *pd = (float *)(cp + M * nb), *ps = pd + M * nb;
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
+    for (int64_t i = 0; i < M * nb; ++i) {
+        const int64_t m = i / nb, b = i % nb;
+        int64_t s, T;
+        token_run(m, M, &s, &T);
+        const int64_t o = s * nb + b * T + (m - s);
+        cp[o] = 8 * block_codes8(x + m * ldx + b * 32, xp + o * 32, flip, pd + o, ps + o);
+    }
+}
+
 /* Sum of 32 floats' block: per token, per row. */
 static void block_sums(const float *x, int64_t ldx, int64_t M, int64_t K, float *xs) {
     const int64_t nb = K / 32;
@@ -731,30 +751,6 @@ static inline __attribute__((always_inline)) void il8_tile(
         if (scl == SC_K) il8_tile(T, SC_K, wg, dg, cg, nb, xp, cp, pd, ps, o); \
         else if (scl == SC_F16) il8_tile(T, SC_F16, wg, dg, cg, nb, xp, cp, pd, ps, o); \
         else il8_tile(T, SC_F32, wg, dg, cg, nb, xp, cp, pd, ps, o); } while (0)
-/* int8 codes xq [M, K] (scales xd, exact sums xs [M, K/32]) packed for il8_tile: tokens in runs of
-   8, then of 4, 2 and 1 (the runs il_int8 takes), each run block by block; with flip, the codes as
-   unsigned bytes q + 128 (il8b_tile). */
-static void il8_pack(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, int8_t *xp,
-                     int32_t *cp, float *pd, float *ps, int flip) {
-    const int64_t nb = K / 32;
-    for (int64_t t0 = 0, T; t0 < M; t0 += T) {
-        T = M - t0 >= 8 ? 8 : M - t0 >= 4 ? 4 : M - t0 >= 2 ? 2 : 1;
-        for (int64_t b = 0; b < nb; ++b)
-            for (int64_t t = 0; t < T; ++t) {
-                const int64_t i = (t0 + t) * nb + b, o = t0 * nb + b * T + t;
-                const int8_t *src = xq + i * 32;
-                int32_t sum = 0;
-                for (int j = 0; j < 32; ++j) sum += src[j];
-                if (flip)
-                    for (int j = 0; j < 32; ++j) xp[o * 32 + j] = (int8_t)((uint8_t)src[j] ^ 0x80);
-                else
-                    memcpy(xp + o * 32, src, 32);
-                cp[o] = 8 * sum;
-                pd[o] = xd[i];
-                ps[o] = xs[i];
-            }
-    }
-}
 /* 8-bit weights with int16 activations, 8 rows interleaved (INTERLEAVED): the same permutation of
    4-byte words as 4-bit, a block of 32 signed codes being 2 units of 16 row bytes, so a group's block
    is 256 bytes, 8 chunks of 32: chunk c's bytes 4 i + j are row i's weight 4 c + j. The codes are
@@ -1225,24 +1221,21 @@ static inline void il_group_scales(const void *wd, const void *wc, int scl, int6
     *cg = !wc ? 0 : scl == SC_K ? (const void *)((const uint16_t *)wc + g * nb * 2)
           : (const void *)((const float *)wc + g * nb * 8);
 }
-/* il8_pack's output in this thread's scratch: the packed codes, and *cp, *pd, *ps beside them. */
-static int8_t *il8_packed(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, int flip,
-                          int32_t **cp, float **pd, float **ps) {
+/* quantize_packed's cp, pd and ps beside its codes xp. */
+static void packed_parts(const int8_t *xp, int64_t M, int64_t K, const int32_t **cp, const float **pd,
+                         const float **ps) {
     const int64_t nb = K / 32;
-    int8_t *xp = (int8_t *)split_scratch((size_t)(M * K + 12 * M * nb));
-    *cp = (int32_t *)(xp + M * K);
-    *pd = (float *)(*cp + M * nb);
+    *cp = (const int32_t *)(xp + M * K);
+    *pd = (const float *)(*cp + M * nb);
     *ps = *pd + M * nb;
-    il8_pack(xq, xd, xs, M, K, xp, *cp, *pd, *ps, flip);
-    return xp;
 }
-/* Interleaved 4-bit rows [n0, n1) for M tokens of int8 codes (il8_tile). */
-static void il_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, int64_t K, const int8_t *xq,
-                    const float *xd, const float *xs, int64_t M, float *y, int64_t ldy, int64_t n0, int64_t n1) {
+/* Interleaved 4-bit rows [n0, n1) for M tokens of int8 codes packed by quantize_packed (il8_tile). */
+static void il_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, int64_t K, const int8_t *xp,
+                    int64_t M, float *y, int64_t ldy, int64_t n0, int64_t n1) {
     const int64_t nb = K / 32;
-    int32_t *cpk;
-    float *pdk, *psk;
-    int8_t *xp = il8_packed(xq, xd, xs, M, K, 0, &cpk, &pdk, &psk);
+    const int32_t *cpk;
+    const float *pdk, *psk;
+    packed_parts(xp, M, K, &cpk, &pdk, &psk);
     /* Factored scales (SC_K) are widened once per group (or pair) into float32 scales and centred
        offsets, k_widen's bits, which are the tiles' own arithmetic, and every run of tokens reads
        them (SC_F32) instead of computing them again: 1.07x at 256 tokens on 1.1B shapes (Zen 4). */
@@ -1306,7 +1299,7 @@ static void il_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, 
 #if HAS_VNNI
 /* 8-bit interleaved rows (INTERLEAVED: chunk c of a block holds row i's codes 4 c .. 4 c + 3 in
    lane i) against int8 activations: vpdpbusd takes the activations as unsigned bytes (q + 128,
-   packed so by il8_pack) against the signed codes, and 128 x each row's block code sum,
+   packed so by quantize_packed) against the signed codes, and 128 x each row's block code sum,
    computed once per group for every token, is taken off the integer sum. Per token and block:
    8 dpbusd and one float step, no widening (the int16 activations' kernel widens every code to
    int16 and runs 16 vpdpwssd). Without VNNI maddubs would saturate on 255 x 127 pairs, so those
@@ -1340,13 +1333,13 @@ static inline __attribute__((always_inline)) void il8b_tile(
 #define IL8B_RUN(T) do { \
         if (scl == SC_F16) il8b_tile(T, SC_F16, wg, dg, (const float *)cg, corr, nb, xt, pd, ps, o); \
         else il8b_tile(T, SC_F32, wg, dg, (const float *)cg, corr, nb, xt, pd, ps, o); } while (0)
-/* Interleaved 8-bit rows [n0, n1) for M tokens of int8 codes (il8b_tile). */
-static void il8b_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, int64_t K, const int8_t *xq,
-                      const float *xd, const float *xs, int64_t M, float *y, int64_t ldy, int64_t n0, int64_t n1) {
+/* Interleaved 8-bit rows [n0, n1) for M tokens of int8 codes packed by quantize_packed with flip (il8b_tile). */
+static void il8b_int8(const uint8_t *wq, const void *wd, int scl, const void *wc, int64_t K, const int8_t *xp,
+                      int64_t M, float *y, int64_t ldy, int64_t n0, int64_t n1) {
     const int64_t nb = K / 32;
-    int32_t *cpk;
-    float *pdk, *psk;
-    int8_t *xp = il8_packed(xq, xd, xs, M, K, 1, &cpk, &pdk, &psk);
+    const int32_t *cpk;
+    const float *pdk, *psk;
+    packed_parts(xp, M, K, &cpk, &pdk, &psk);
     int32_t *corr = (int32_t *)thread_scratch((size_t)(8 * nb));
     const __m256i ones = _mm256_set1_epi8(1);
     for (int64_t g = n0 >> 3; g * 8 < n1; ++g) {
@@ -1452,21 +1445,36 @@ static void il_chunk(int act, int bits, const uint8_t *wq, const float *wd, cons
 #else
 #define HAS_F16C 0
 #endif
+
+/* Whether a weight of kind `bits` takes int8 activations (act) packed by quantize_packed: its rows
+   interleaved, run by il_int8 (4-bit) or il8b_int8 (8-bit, with VNNI). */
+static inline int packed_int8(int act, int bits) {
+    const int half = bits & HALF_SCALES, ks = bits & KSCALES, b = bits & ~(HALF_SCALES | INTERLEAVED | KSCALES);
+    if (act != ACT_INT8 || !(bits & INTERLEAVED)) return 0;
+#if defined(__AVX2__)
+    if (b == 4) return !(half || ks) || HAS_F16C;
+#if HAS_VNNI
+    if (b == 8) return !half || HAS_F16C;
+#endif
+#endif
+    (void)half; (void)ks; (void)b;
+    return 0;
+}
 static void il_rows(int act, int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t K,
                     const float *x, int64_t ldx, const void *xq, const float *xs, int64_t M, float *y, int64_t ldy,
                     int64_t n0, int64_t n1) {
-    const int half = bits & HALF_SCALES, ks = bits & KSCALES;
+    const int half = bits & HALF_SCALES, ks = bits & KSCALES, packed = packed_int8(act, bits);
     bits &= ~(HALF_SCALES | INTERLEAVED | KSCALES);
     const int64_t nb = K / 32, row_bytes = bits == 4 ? K / 2 : K;
+    (void)packed;
 #if defined(__AVX2__)
-    if (act == ACT_INT8 && bits == 4 && (!(half || ks) || HAS_F16C)) {
-        il_int8(wq, wd, ks ? SC_K : half ? SC_F16 : SC_F32, wc, K, (const int8_t *)xq, xs + M * nb, xs, M, y, ldy, n0,
-                n1);
+    if (packed && bits == 4) {
+        il_int8(wq, wd, ks ? SC_K : half ? SC_F16 : SC_F32, wc, K, (const int8_t *)xq, M, y, ldy, n0, n1);
         return;
     }
 #if HAS_VNNI
-    if (act == ACT_INT8 && bits == 8 && (!half || HAS_F16C)) {
-        il8b_int8(wq, wd, half ? SC_F16 : SC_F32, wc, K, (const int8_t *)xq, xs + M * nb, xs, M, y, ldy, n0, n1);
+    if (packed) {
+        il8b_int8(wq, wd, half ? SC_F16 : SC_F32, wc, K, (const int8_t *)xq, M, y, ldy, n0, n1);
         return;
     }
 #endif
@@ -1535,12 +1543,19 @@ static inline int act_for(int act, int bits, int64_t M) {
     return act == ACT_INT16 && M >= PANEL_FROM && !(bits & INTERLEAVED) ? ACT_FLOAT : act;
 }
 
-/* x's side of the product: block sums xs [M, K/32] (floats), or int codes xq with sums, scales and
-   centring terms in xs [3, M, K/32] (the buffers sized for int16). */
-static void prepare_act(int act, const float *x, int64_t ldx, int64_t M, int64_t K, void *xq, float *xs,
+/* The bytes of int codes xq that prepare_act writes for M tokens of K values (or more). */
+static inline size_t act_bytes(int act, int64_t M, int64_t K) {
+    return act == ACT_FLOAT ? 0 : (size_t)(M * K) * (act == ACT_INT16 ? 2 : 1) + (act == ACT_INT8 ? 12 * (size_t)(M * K / 32) : 0);
+}
+/* x's side of the product with a weight of kind `bits`: block sums xs [M, K/32] (floats), or int
+   codes xq with sums, scales and centring terms in xs [3, M, K/32], or, for the interleaved int8
+   kernels (packed_int8), xq as quantize_packed writes it (xq sized by act_bytes). */
+static void prepare_act(int act, int bits, const float *x, int64_t ldx, int64_t M, int64_t K, void *xq, float *xs,
                         int nthreads) {
     const int64_t nb = K / 32;
-    if (act != ACT_FLOAT)
+    if (packed_int8(act, bits))
+        quantize_packed(x, ldx, M, K, (int8_t *)xq, (bits & ~(HALF_SCALES | INTERLEAVED | KSCALES)) == 8, nthreads);
+    else if (act != ACT_FLOAT)
         quantize_codes(x, ldx, M, K, xq, act == ACT_INT8 ? 127 : 32767, xs + M * nb, xs, xs + 2 * M * nb, nthreads);
     else block_sums(x, ldx, M, K, xs);
 }
@@ -1557,8 +1572,8 @@ void qlinear(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_
     const int64_t nb = K / 32;
     act = act_for(act, bits, M);
     float *xs = malloc(sizeof(float) * M * nb * 3);
-    void *xq = act != ACT_FLOAT ? malloc((size_t)(M * K) * (act == ACT_INT16 ? 2 : 1)) : 0;
-    prepare_act(act, x, ldx, M, K, xq, xs, nthreads);
+    void *xq = act != ACT_FLOAT ? malloc(act_bytes(act, M, K)) : 0;
+    prepare_act(act, bits, x, ldx, M, K, xq, xs, nthreads);
     #pragma omp parallel num_threads(nthreads)
     {
         int64_t n0, n1;
