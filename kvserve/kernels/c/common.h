@@ -175,4 +175,23 @@ static inline int32_t block_codes8(const float *src, int8_t *dst, int flip, floa
     return isum;
 #endif
 }
+/* x [M, K] (row stride ldx) as int8 codes per 32-value block (block_codes8) in the layout the
+   prefill int8 tiles read: tokens in runs of 8, then of 4, 2 and 1 (token_run), each run block by
+   block: codes at xp + (t0 nb + b T + t) 32 for token t of the run from t0, block b, and at the same
+   index t0 nb + b T + t the scale xd, the exact float sum xs and, where cp is given, 8 x the code
+   sum (the centring of 4-bit codes); with flip, the codes as unsigned bytes q + 128. Written once
+   per product by the threads together. */
+static inline void quantize_runs(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *xp, int flip, int32_t *cp,
+                                 float *xd, float *xs, int nthreads) {
+    const int64_t nb = K / 32;
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
+    for (int64_t i = 0; i < M * nb; ++i) {
+        const int64_t m = i / nb, b = i % nb;
+        int64_t s, T;
+        token_run(m, M, &s, &T);
+        const int64_t o = s * nb + b * T + (m - s);
+        const int32_t sum = block_codes8(x + m * ldx + b * 32, xp + o * 32, flip, xd + o, xs + o);
+        if (cp) cp[o] = 8 * sum;
+    }
+}
 #endif /* KVSERVE_COMMON_H */

@@ -601,21 +601,6 @@ static uint8_t *kq8_scratch(size_t n) {
     }
     return buf;
 }
-/* x [M, K] -> int8 codes as unsigned bytes (q + 128), scales xd and exact sums xs, packed for
-   kq8_tile: tokens in runs of 8, then 4, 2 and 1, each run block by block (xp + t0 K + (b T + t) 32,
-   xd / xs at t0 nb + b T + t). */
-static void kq8_quantize(const float *x, int64_t ldx, int64_t M, int64_t K, uint8_t *xp, float *xd, float *xs,
-                         int nthreads) {
-    const int64_t nb = K / 32;
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
-    for (int64_t i = 0; i < M * nb; ++i) {
-        const int64_t m = i / nb, b = i % nb;
-        int64_t s, T;
-        token_run(m, M, &s, &T);
-        const int64_t o = s * nb + b * T + (m - s);
-        block_codes8(x + m * ldx + b * 32, (int8_t *)xp + o * 32, 1, xd + o, xs + o);
-    }
-}
 /* One 16-weight half's 8 row sums: 4 chunks of codes w against 4 x 4 activation bytes x4. Without
    VNNI two maddubs results are added in int16 before widening (each pair at most 2 x 255 x 32, two
    of them 32640 < 32767 for codes within [-32, 32]). The same integers either way. */
@@ -711,7 +696,7 @@ int kq_linear_int8(const KqMatrix *W, int64_t N, const float *x, int64_t ldx, in
     uint8_t *xp = malloc((size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * nb));
     if (!xp) return -1;
     float *xd = (float *)(xp + M * K), *xs = xd + M * nb;
-    kq8_quantize(x, ldx, M, K, xp, xd, xs, nthreads);
+    quantize_runs(x, ldx, M, K, (int8_t *)xp, 1, 0, xd, xs, nthreads);  /* codes as q + 128, kq8_tile's runs */
     const int L = HAS_KQ8Z ? 16 : 8;  /* rows per unit: two groups where the 512-bit tile exists */
     const int64_t G = N / 8, units = (G + L / 8 - 1) / (L / 8);
     const size_t unit_bytes = (size_t)nb * (size_t)L * (32 + 5 * sizeof(float));

@@ -58,24 +58,14 @@ static void quantize_codes(const float *x, int64_t ldx, int64_t M, int64_t K, vo
     }
 }
 
-/* x [M, K] (row stride ldx) as int8 codes per 32-value block (block_codes8), packed for il8_tile:
-   tokens in runs of 8, then of 4, 2 and 1 (token_run: the runs il_int8 takes), each run block by
-   block. In xp: the codes [M K] (token t of the run from t0, block b at (t0 nb + b T + t) 32), then
-   at the same index per block 8 x the code sum cp (int32), the scale pd and the exact float sum ps
-   ([M nb] each); with flip, the codes as unsigned bytes q + 128 (il8b_tile). Written once per
-   product by the threads together (each thread packed the whole batch for itself before). */
+/* x [M, K] (row stride ldx) as int8 codes packed for il8_tile / il8b_tile (flip): quantize_runs's
+   layout in one buffer xp, the codes [M K] followed by cp (int32), pd and ps ([M nb] each; packed_parts
+   finds them). Each thread packed the whole batch for itself before. */
 static void quantize_packed(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *xp, int flip, int nthreads) {
     const int64_t nb = K / 32;
     int32_t *cp = (int32_t *)(xp + M * K);
-    float *pd = (float *)(cp + M * nb), *ps = pd + M * nb;
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
-    for (int64_t i = 0; i < M * nb; ++i) {
-        const int64_t m = i / nb, b = i % nb;
-        int64_t s, T;
-        token_run(m, M, &s, &T);
-        const int64_t o = s * nb + b * T + (m - s);
-        cp[o] = 8 * block_codes8(x + m * ldx + b * 32, xp + o * 32, flip, pd + o, ps + o);
-    }
+    float *pd = (float *)(cp + M * nb);
+    quantize_runs(x, ldx, M, K, xp, flip, cp, pd, pd + M * nb, nthreads);
 }
 
 /* Sum of 32 floats' block: per token, per row. */
