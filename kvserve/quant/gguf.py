@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 # GGMLQuantizationType values (gguf.constants) and (weights, bytes) per block.
 Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
 _BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144)}
-KQUANT = frozenset(kquant.BLOCK_BYTES)  # kept as raw rows (KQuantWeight)
+KQUANT = kquant.FILE_TYPES  # kept as raw rows (KQuantWeight)
 REPACKABLE = frozenset(_BLOCKS) | KQUANT  # the linear types the loader hands over as raw blocks
 
 

@@ -1,7 +1,8 @@
 """KQuantLinear: a linear over raw GGUF K-quant rows (Q4_K, Q5_K, Q6_K), read in place.
 
-The rows stay as the file stores them (Q6_K: 210 bytes per 256 weights, a fifth of float32's), so a
-decode step reads ~4x fewer bytes than a dequantized weight. Below `dense_from` tokens the C kernel
+The rows keep the file's bytes (Q6_K: 210 bytes per 256 weights, a fifth of float32's; Q6_K parts
+whose rows come in 8s regrouped by 8 rows, kquant.interleave), so a decode step reads ~4x fewer
+bytes than a dequantized weight. Below `dense_from` tokens the C kernel
 (kvserve/kernels/kquant) multiplies them with int16 activations; from `dense_from` on,
 prefill-sized batches are compute-bound: either int8 activations against the codes
 (`prefill_int8`: kquant.matmul_int8, 8 rows at a time decoded into a copy every token uses), or
@@ -57,11 +58,13 @@ class KQuantLinear(_QuantLinear):
                         "compiler only", self.out_features, n_in, dtype)
             return
         self.path = "kquant"
-        self.parts, offset = [], 0
-        for p in parts:
-            self.parts.append((p.qtype, p.shape[0], offset))
-            offset += p.blocks.numel()
-        self.register_buffer("raw", torch.cat([p.blocks.reshape(-1) for p in parts]).to(device))
+        self.parts, offset, stored = [], 0, []
+        for p in parts:  # Q6_K rows in 8s interleaved by 8 (kquant.interleave): the same bytes
+            qtype, rows = kquant.interleave(p.qtype, p.blocks)
+            self.parts.append((qtype, p.shape[0], offset))
+            stored.append(rows.reshape(-1))
+            offset += rows.numel()
+        self.register_buffer("raw", torch.cat(stored).to(device))
 
     def part_rows(self) -> list[tuple[int, torch.Tensor]]:
         """(qtype, uint8 rows [n, bytes per row]) of each part: views into `raw`."""
@@ -108,8 +111,15 @@ class KQuantLinear(_QuantLinear):
         for qtype, rows in self.part_rows():
             inside = ((ids >= first) & (ids < first + rows.shape[0])).nonzero().reshape(-1)
             if inside.numel():
-                picked = rows.index_select(0, ids[inside] - first)
-                out[inside] = kquant.dequantize(kquant.make_matrix([(qtype, picked)], self.in_features))
+                local = ids[inside] - first
+                if qtype == kquant.Q6_KI:  # the groups of 8 that hold them, then the rows from those
+                    groups = rows.view(rows.shape[0] // 8, -1).index_select(0, local // 8)
+                    w = kquant.dequantize(kquant.make_matrix([(qtype, groups.view(-1, rows.shape[1]))],
+                                                             self.in_features))
+                    out[inside] = w[torch.arange(local.numel()) * 8 + local % 8]
+                else:
+                    picked = rows.index_select(0, local)
+                    out[inside] = kquant.dequantize(kquant.make_matrix([(qtype, picked)], self.in_features))
             first += rows.shape[0]
         return out
 

@@ -88,6 +88,48 @@ def check_kquant() -> list[str]:
     x = torch.randn(3, 512)
     if not _rel(kquant.matmul(x, fused), x.double() @ ref.double().T) < 1e-4:
         bad.append("fused Q4_K + Q5_K + Q6_K")
+    return bad + check_interleaved()
+
+
+def check_interleaved() -> list[str]:
+    """Q6_K rows interleaved by 8 (kquant.interleave, on every vector level): the file's weights
+    back bit for bit, x @ W.T within the int16 codes' error at any batch, each token's bits the same
+    in any batch and under any split of the rows between threads (40 rows over 3 threads cut
+    groups of 8), and beside a part of another type."""
+    bad = []
+    raw = torch.from_numpy(kquant_rows(Q.Q6_K, 40, 768, seed=5))
+    qtype, il = kquant.interleave(int(Q.Q6_K), raw)
+    if qtype != kquant.Q6_KI:
+        return [] if cpu.isa_level() == "generic" else ["Q6_K rows in 8s not interleaved"]
+    if kquant.interleave(int(Q.Q6_K), raw[:36].contiguous())[0] != int(Q.Q6_K):
+        bad.append("36 rows interleaved")
+    ref = _ref(Q.Q6_K, raw.numpy())
+    plain, m = kquant.make_matrix([(int(Q.Q6_K), raw)], 768), kquant.make_matrix([(qtype, il)], 768)
+    for dtype in (torch.float32, torch.bfloat16):
+        if not torch.equal(kquant.dequantize(m, dtype), kquant.dequantize(plain, dtype)):
+            bad.append(f"interleaved Q6_K dequantized to {dtype}")
+    x = torch.randn(19, 768, generator=torch.Generator().manual_seed(4))
+    for rows in (1, 2, 3, 5, 8, 9, 13, 19):
+        rel = _rel(kquant.matmul(x[:rows], m), x[:rows].double() @ ref.double().T)
+        if not rel < 1e-4:
+            bad.append(f"interleaved Q6_K m={rows}: {rel:.2e}")
+    alone = torch.cat([kquant.matmul(x[i:i + 1], m) for i in range(19)])
+    for rows in (2, 3, 8, 9, 16, 19):
+        if not torch.equal(kquant.matmul(x[:rows], m), alone[:rows]):
+            bad.append(f"interleaved Q6_K batch invariance m={rows}")
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            if not torch.equal(kquant.matmul(x[:2], m), alone[:2]):
+                bad.append(f"interleaved Q6_K on {n} threads")
+    finally:
+        torch.set_num_threads(threads)
+    q4 = kquant_rows(Q.Q4_K, 8, 768, seed=6)
+    fused = kquant.make_matrix([(int(Q.Q4_K), torch.from_numpy(q4)), (qtype, il)], 768)
+    want = x[:3].double() @ torch.cat([_ref(Q.Q4_K, q4), ref]).double().T
+    if not _rel(kquant.matmul(x[:3], fused), want) < 1e-4:
+        bad.append("Q4_K + interleaved Q6_K")
     return bad
 
 
@@ -133,6 +175,10 @@ def check_kquant_int8() -> list[str]:
         for rows in (2, 5, 8, 9, 16, 19):
             if not torch.equal(kquant.matmul_int8(x[:rows], m), alone[:rows]):
                 bad.append(f"int8 batch invariance {name} m={rows}")
+        # Q6_K parts interleaved by 8 make the same per-call copy, so the same bits
+        kept = [kquant.interleave(int(q), torch.from_numpy(r)) for q, r in zip(qtypes, raws)]  # alive while m is used
+        if not torch.equal(kquant.matmul_int8(x, kquant.make_matrix(kept, 512)), kquant.matmul_int8(x, m)):
+            bad.append(f"int8 {name} interleaved")
     return bad
 
 

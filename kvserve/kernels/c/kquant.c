@@ -46,6 +46,8 @@
 #include "layout.h"
 
 enum { KQ_Q4_K = 12, KQ_Q5_K = 13, KQ_Q6_K = 14 };  /* GGMLQuantizationType values */
+/* Q6_K rows interleaved by 8 (below; no GGML type: kquant.py's own code for such a part). */
+enum { KQ_Q6_KI = 114 };
 #define KQ_MAX_PARTS 4
 #define KQ_TILE 4  /* tokens per pass over a weight row: its blocks are decoded once per KQ_TILE tokens */
 
@@ -67,7 +69,7 @@ KV_LAYOUT_TABLE(kq_layout,
     KV_LAYOUT_FIELD(KqMatrix, part))
 
 static inline int64_t kq_block_bytes(int64_t qtype) {
-    return qtype == KQ_Q6_K ? 210 : qtype == KQ_Q5_K ? 176 : 144;
+    return qtype == KQ_Q6_K || qtype == KQ_Q6_KI ? 210 : qtype == KQ_Q5_K ? 176 : 144;
 }
 
 static inline float kq_half(const uint8_t *p) {
@@ -314,6 +316,164 @@ static void kq_q6k_row2(const uint8_t *row0, const uint8_t *row1, int64_t nsb, c
     *y1 = hsum8(_mm256_add_ps(acc[1][0], acc[1][1]));
 }
 
+/* Q6_K rows interleaved by 8 (KQ_Q6_KI): kquant.py's interleave rewrites a Q6_K part whose rows are
+   a multiple of 8 into groups of 8 rows, super-block by super-block, in the same bytes (8 x 210 per
+   group and super-block): the 4-bit low parts of the codes as qmatmul's interleaved 4-bit blocks
+   (per 32-weight block 4 chunks of 32 bytes, chunk c's byte 4 i + j: row i's weights 4c + j in the
+   low nibble and 16 + 4c + j in the high one), the 2-bit tops in two more chunks per block (byte
+   4 i + j of plane p, bits 2q..2q+1: the top of the weight that code register 4p + q holds, below),
+   then the 16 sub-block scales [16][8 rows] and d [8 rows]. One token's int16 codes, split into
+   bytes as qmatmul's 4-bit kernel takes them, are broadcast 4 at a time against a register of 8
+   rows' codes, so the codes are built once per 8 rows rather than once per row and token: per block
+   and 8 rows 16 dpbusd (VNNI) where kq_q6k_row2 spends ~12 operations per row. Read from DRAM on
+   Zen 4 (2 threads, 8192-wide and 3072-wide weights): 33-35 GB/s against kq_q6k_row2's 21-26. */
+#define KQ_Q6I_BYTES 1680  /* a group's super-block */
+#define KQ_Q6I_TOP 1024    /* offsets in it: tops, scales, d */
+#define KQ_Q6I_SC 1536
+#define KQ_Q6I_D 1664
+/* Block j of a group's super-block o as 8 registers of codes (0..63): w[2c + e] holds, in lane i,
+   row i's weights 16 e + 4 c + 0..3. */
+static inline void kq_q6i_codes(const uint8_t *o, int j, __m256i w[8]) {
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    const __m256i h[2] = {_mm256_loadu_si256((const __m256i *)(o + KQ_Q6I_TOP + 64 * j)),
+                          _mm256_loadu_si256((const __m256i *)(o + KQ_Q6I_TOP + 64 * j + 32))};
+    for (int k = 0; k < 8; ++k) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(o + 128 * j + 32 * (k >> 1)));
+        const __m256i low = k & 1 ? _mm256_and_si256(_mm256_srli_epi16(v, 4), m4) : _mm256_and_si256(v, m4);
+        const __m256i hp = h[k >> 2];  /* top bits 2q..2q+1 to bits 4..5 (16-bit shifts, then masked) */
+        const int q = k & 3;
+        const __m256i top = q == 0 ? _mm256_slli_epi16(hp, 4) : q == 1 ? _mm256_slli_epi16(hp, 2)
+                          : q == 2 ? hp : _mm256_srli_epi16(hp, 2);
+#if defined(__AVX512VL__)
+        w[k] = _mm256_ternarylogic_epi32(low, top, m30, 0xF8);  /* low | (top & 0x30) */
+#else
+        w[k] = _mm256_or_si256(low, _mm256_and_si256(top, m30));
+#endif
+    }
+}
+/* The 8 rows' sums of codes x int16 codes over each 16-weight half of a block (s[0]: weights 0-15,
+   s[1]: 16-31), from the codes' low bytes lo (unsigned) and high bytes hi (signed), natural order:
+   sum(q x) = sum(q lo) + 256 sum(q hi), exact in int32 (at most 16 x 63 x 32768). Without VNNI
+   each maddubs of lo (pairs up to 2 x 255 x 63) is widened alone; hi's pairs (2 x 63 x 128) two at
+   a time. */
+static inline void kq_q6i_sums(const __m256i w[8], const uint8_t *lo, const int8_t *hi, __m256i s[2]) {
+    const int32_t *l4 = (const int32_t *)lo, *h4 = (const int32_t *)hi;
+    for (int e = 0; e < 2; ++e) {
+#if HAS_VNNI
+        __m256i sl = _mm256_setzero_si256(), sh = _mm256_setzero_si256();
+        for (int c = 0; c < 4; ++c) {
+            sl = dpbusd(sl, _mm256_set1_epi32(l4[4 * e + c]), w[2 * c + e]);
+            sh = dpbusd_bcast(sh, w[2 * c + e], h4 + 4 * e + c);
+        }
+#else
+        const __m256i ones = _mm256_set1_epi16(1);
+        __m256i sl = _mm256_setzero_si256(), sh = _mm256_setzero_si256();
+        for (int c = 0; c < 4; ++c)
+            sl = _mm256_add_epi32(sl, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi32(l4[4 * e + c]),
+                                                                             w[2 * c + e]), ones));
+        for (int c = 0; c < 4; c += 2)
+            sh = _mm256_add_epi32(sh, _mm256_madd_epi16(_mm256_add_epi16(
+                _mm256_maddubs_epi16(w[2 * c + e], _mm256_set1_epi32(h4[4 * e + c])),
+                _mm256_maddubs_epi16(w[2 * c + 2 + e], _mm256_set1_epi32(h4[4 * e + c + 1]))), ones));
+#endif
+        s[e] = _mm256_add_epi32(sl, _mm256_slli_epi32(sh, 8));
+    }
+}
+/* One group (nsb super-blocks at wg) against T tokens (1..8: a constant): token t's bytes at
+   lo / hi + t K, its centring terms c32 (-32 x each half's code sum) at + 2 t nb, scales xd at
+   + t nb. Per token and row: half 0 of every block into one accumulator, half 1 into another, each
+   (sum + c32) by d sc xd; the block's codes are built once for all T tokens and each token's
+   operations do not depend on T, so a token's 8 outputs have the bits it gets alone. */
+static inline __attribute__((always_inline)) void kq_q6i_tile(
+        const int T, const uint8_t *wg, int64_t nsb, int64_t K, const uint8_t *lo, const int8_t *hi,
+        const int32_t *c32, const float *xd, __m256 *out) {
+    const int64_t nb = K / 32;
+    __m256 acc[2][8];
+    for (int t = 0; t < T; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+        const uint8_t *o = wg + sb * KQ_Q6I_BYTES;
+        for (int off = 0; off < KQ_Q6I_BYTES; off += 64) _mm_prefetch((const char *)o + KQ_AHEAD + off, _MM_HINT_T1);
+        const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + KQ_Q6I_D)));
+        for (int j = 0; j < 8; ++j) {
+            const int64_t b = sb * 8 + j;
+            __m256i w[8];
+            kq_q6i_codes(o, j, w);
+            const __m256 sc[2] = {
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(o + KQ_Q6I_SC + 16 * j)))),
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(o + KQ_Q6I_SC + 16 * j + 8))))};
+            for (int t = 0; t < T; ++t) {
+                __m256i s[2];
+                kq_q6i_sums(w, lo + t * K + b * 32, hi + t * K + b * 32, s);
+                __m256 f = _mm256_mul_ps(D, _mm256_set1_ps(xd[t * nb + b]));
+                __asm__("" : "+x"(f));  /* d xd as computed, in every T's loop (see il_k_scaled) */
+                for (int e = 0; e < 2; ++e) {
+                    const __m256i v = _mm256_add_epi32(s[e], _mm256_set1_epi32(c32[2 * (t * nb + b) + e]));
+                    acc[e][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(sc[e], f), acc[e][t]);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < T; ++t) {
+        __m256 a = acc[0][t];
+        __asm__("" : "+x"(a));
+        out[t] = _mm256_add_ps(a, acc[1][t]);
+    }
+}
+/* Per-thread scratch for the split activations (kept between calls). */
+static uint8_t *kq_q6i_scratch(size_t n) {
+    static __thread uint8_t *buf;
+    static __thread size_t cap;
+    if (n > cap) {
+        free(buf);
+        buf = malloc(n);
+        cap = buf ? n : 0;
+    }
+    return buf;
+}
+#define KQ_Q6I_CASE(T) case T: kq_q6i_tile(T, wg, nsb, K, lo + m0 * K, hi + m0 * K, c32 + 2 * m0 * nb, xd + m0 * nb, out); break;
+/* Rows [a, e) of an interleaved part (groups at data) for M tokens given as kq_quantize's, into
+   y + row (row stride ldy): whole groups, tokens 8 at a time; a group cut by a or e computes its
+   8 rows and keeps those inside (each row's lane is computed alone, so the same bits). */
+static void kq_q6i_rows(const uint8_t *data, int64_t K, const int16_t *xq, const float *xd, const float *xh,
+                        int64_t M, float *y, int64_t ldy, int64_t a, int64_t e) {
+    const int64_t nb = K / 32, nsb = K / 256;
+    uint8_t *lo = kq_q6i_scratch((size_t)(M * K) * 2 + sizeof(int32_t) * (size_t)(2 * M * nb));
+    if (!lo) abort();
+    int8_t *hi = (int8_t *)lo + M * K;
+    int32_t *c32 = (int32_t *)(lo + 2 * M * K);
+    /* kq_quantize's order (KQ_POS: 0-7 16-23 | 8-15 24-31) back to natural, as bytes: the packs
+       work per 128-bit lane, which is that order's undoing */
+    const __m256i m8 = _mm256_set1_epi16(255);
+    for (int64_t i = 0; i < M * nb; ++i) {
+        const __m256i u = _mm256_loadu_si256((const __m256i *)(xq + i * 32));
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(xq + i * 32 + 16));
+        _mm256_storeu_si256((__m256i *)(lo + i * 32), _mm256_packus_epi16(_mm256_and_si256(u, m8), _mm256_and_si256(v, m8)));
+        _mm256_storeu_si256((__m256i *)(hi + i * 32), _mm256_packs_epi16(_mm256_srai_epi16(u, 8), _mm256_srai_epi16(v, 8)));
+    }
+    for (int64_t i = 0; i < 2 * M * nb; ++i) c32[i] = (int32_t)xh[i];  /* -32 x an integer, exact in float */
+    for (int64_t g = a >> 3; g * 8 < e; ++g) {
+        const uint8_t *wg = data + g * nsb * KQ_Q6I_BYTES;
+        for (int64_t m0 = 0; m0 < M; m0 += 8) {
+            __m256 out[8];
+            switch (M - m0 < 8 ? M - m0 : 8) {
+                KQ_Q6I_CASE(1) KQ_Q6I_CASE(2) KQ_Q6I_CASE(3) KQ_Q6I_CASE(4)
+                KQ_Q6I_CASE(5) KQ_Q6I_CASE(6) KQ_Q6I_CASE(7) default: KQ_Q6I_CASE(8)
+            }
+            for (int64_t t = 0; t < 8 && m0 + t < M; ++t) {
+                if (g * 8 >= a && g * 8 + 8 <= e) {
+                    _mm256_storeu_ps(y + (m0 + t) * ldy + g * 8, out[t]);
+                    continue;
+                }
+                float v[8];
+                _mm256_storeu_ps(v, out[t]);
+                for (int64_t i = 0; i < 8; ++i)
+                    if (g * 8 + i >= a && g * 8 + i < e) y[(m0 + t) * ldy + g * 8 + i] = v[i];
+            }
+        }
+    }
+}
+#undef KQ_Q6I_CASE
+
 #define KQ_CASE(T) case T: \
     if (qtype == KQ_Q6_K) kq_q6k_row(T, row, nsb, K, xq, xd, xh, y, ldy); \
     else if (qtype == KQ_Q5_K) kq_q45k_row(T, 1, row, nsb, K, xq, xd, xh, y, ldy); \
@@ -391,6 +551,13 @@ static void kq_rows(const KqMatrix *W, const int16_t *xq, const float *xd, const
         const KqPart *P = W->part + p;
         const int64_t lo = n0 > first ? n0 : first, hi = n1 < first + P->rows ? n1 : first + P->rows;
         const int64_t row_bytes = K / 256 * kq_block_bytes(P->qtype);
+#if defined(__AVX2__)
+        if (P->qtype == KQ_Q6_KI) {
+            if (lo < hi) kq_q6i_rows(P->data, K, xq, xd, xh, M, y + first, ldy, lo - first, hi - first);
+            first += P->rows;
+            continue;
+        }
+#endif
         for (int64_t n = lo; n < hi; ++n) {
             const uint8_t *row = P->data + (n - first) * row_bytes;
 #if defined(__AVX2__)
@@ -477,6 +644,40 @@ static void kq_dequantize_row(int64_t qtype, const uint8_t *row, int64_t K, floa
     }
 }
 
+#if defined(__AVX2__)
+/* Block j's codes of an interleaved group's super-block o, centred (q - 32, signed bytes), as 8
+   chunks in weight order: chunk c's lane i holds row i's weights 4c..4c+3 (kq8_repack's copy). */
+static inline void kq_q6i_chunks(const uint8_t *o, int j, __m256i r[8]) {
+    __m256i w[8];
+    kq_q6i_codes(o, j, w);
+    for (int c = 0; c < 8; ++c) r[c] = _mm256_sub_epi8(w[c < 4 ? 2 * c : 2 * (c - 4) + 1], _mm256_set1_epi8(32));
+}
+/* An interleaved group (K columns at wg) as rows row0..row0 + 7 of w [N, K], float32 or bfloat16:
+   each weight (d sc) (q - 32), as kq_dequantize_row computes it from the file's rows. */
+static void kq_q6i_dequantize(const uint8_t *wg, int64_t K, int bf16, void *w, int64_t row0) {
+    for (int64_t sb = 0; sb < K / 256; ++sb) {
+        const uint8_t *o = wg + sb * KQ_Q6I_BYTES;
+        for (int j = 0; j < 8; ++j) {
+            __m256i r[8];
+            kq_q6i_chunks(o, j, r);
+            transpose8((__m256 *)r);  /* r[i]: row i's 32 codes in order */
+            for (int i = 0; i < 8; ++i) {
+                const float d = kq_half(o + KQ_Q6I_D + 2 * i);
+                const int64_t at = (row0 + i) * K + sb * 256 + 32 * j;
+                int8_t q32[32];
+                _mm256_storeu_si256((__m256i *)q32, r[i]);
+                for (int q = 0; q < 4; ++q) {
+                    const float ds = d * (float)(int8_t)o[KQ_Q6I_SC + (2 * j + q / 2) * 8 + i];
+                    const __m256 v = _mm256_mul_ps(_mm256_set1_ps(ds), _mm256_cvtepi32_ps(
+                        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q32 + 8 * q)))));
+                    if (bf16) _mm_storeu_si128((__m128i *)((uint16_t *)w + at + 8 * q), bf16x8(v));
+                    else _mm256_storeu_ps((float *)w + at + 8 * q, v);
+                }
+            }
+        }
+    }
+}
+#endif
 /* W [N, K] as float32, or bfloat16 when bf16 (each value rounded once from float32, as
    `.bfloat16()` would: the dense path of prefill-sized batches on bfloat16 units), and embedding
    rows. */
@@ -486,6 +687,15 @@ void kq_dequantize(const KqMatrix *W, void *w, int bf16, int nthreads) {
     for (int64_t p = 0; p < W->nparts; ++p) {
         const KqPart *P = W->part + p;
         const int64_t row_bytes = K / 256 * kq_block_bytes(P->qtype);
+#if defined(__AVX2__)
+        if (P->qtype == KQ_Q6_KI) {
+            #pragma omp parallel for num_threads(nthreads) schedule(static)
+            for (int64_t g = 0; g < P->rows / 8; ++g)
+                kq_q6i_dequantize(P->data + g * 8 * row_bytes, K, bf16, w, first + 8 * g);
+            first += P->rows;
+            continue;
+        }
+#endif
         #pragma omp parallel num_threads(nthreads)
         {
             float *row = bf16 ? (float *)malloc((size_t)K * sizeof(float)) : 0;
@@ -566,15 +776,29 @@ static void kq8_repack(int64_t qtype, const uint8_t *rows, int64_t row_bytes, in
                        float *sg, int32_t *cg, float *eg) {
     const int64_t bytes = kq_block_bytes(qtype);
     const __m256i ones = _mm256_set1_epi8(1);
+    const int il = qtype == KQ_Q6_KI;  /* rows: an interleaved group, already in chunks */
     for (int64_t sb = 0; sb < K / 256; ++sb) {
         float sc[8][16], e[8][8];
-        for (int i = 0; i < 8; ++i) kq8_scales(qtype, rows + i * row_bytes + sb * bytes, sc[i], e[i]);
+        const uint8_t *o = rows + sb * KQ_Q6I_BYTES;
+        for (int i = 0; i < 8; ++i) {
+            if (!il) {
+                kq8_scales(qtype, rows + i * row_bytes + sb * bytes, sc[i], e[i]);
+                continue;
+            }
+            const float d = kq_half(o + KQ_Q6I_D + 2 * i);  /* kq8_scales' Q6_K values */
+            for (int h = 0; h < 16; ++h) sc[i][h] = d * (float)(int8_t)o[KQ_Q6I_SC + 8 * h + i];
+            for (int j = 0; j < 8; ++j) e[i][j] = 0.f;
+        }
         for (int j = 0; j < 8; ++j) {
             const int64_t b = sb * 8 + j;
             __m256 r[8];
-            for (int i = 0; i < 8; ++i)
-                r[i] = _mm256_castsi256_ps(kq8_codes(qtype, rows + i * row_bytes + sb * bytes, j));
-            transpose8(r);  /* r[c]: lane i = row i's codes 4c..4c+3 */
+            if (il)
+                kq_q6i_chunks(o, j, (__m256i *)r);
+            else {
+                for (int i = 0; i < 8; ++i)
+                    r[i] = _mm256_castsi256_ps(kq8_codes(qtype, rows + i * row_bytes + sb * bytes, j));
+                transpose8(r);  /* r[c]: lane i = row i's codes 4c..4c+3 */
+            }
             __m256i half[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
             for (int c = 0; c < 8; ++c) {
                 const __m256i v = _mm256_castps_si256(r[c]);
@@ -723,7 +947,8 @@ int kq_linear_int8(const KqMatrix *W, int64_t N, const float *x, int64_t ldx, in
                 const KqPart *P = W->part + p;
                 const int64_t row_bytes = K / 256 * kq_block_bytes(P->qtype);
                 kq8_repack(P->qtype, P->data + (g * 8 - first) * row_bytes, row_bytes, K, L, (int)gh, wg, sg, cg, eg);
-                has_e |= P->qtype != KQ_Q6_K;  /* Q6_K lanes' offsets are 0: an FMA by them changes nothing */
+                has_e |= P->qtype != KQ_Q6_K && P->qtype != KQ_Q6_KI;  /* Q6_K lanes' offsets are 0: an FMA
+                                                                          by them changes nothing */
             }
             for (int64_t t0 = 0, T; t0 < M; t0 += T) {
                 T = M - t0 >= 8 ? 8 : M - t0 >= 4 ? 4 : M - t0 >= 2 ? 2 : 1;
@@ -753,6 +978,52 @@ int kq_linear_int8(const KqMatrix *W, int64_t N, const float *x, int64_t ldx, in
     return failed ? -1 : 0;
 #else
     (void)W; (void)N; (void)x; (void)ldx; (void)M; (void)y; (void)ldy; (void)nthreads;
+    return -1;
+#endif
+}
+
+/* A Q6_K part (rows a multiple of 8, K columns: raw [rows, K / 256 x 210]) rewritten as KQ_Q6_KI
+   groups into out (the same size): 0, or -1 on a build without the AVX2 kernels that read them. */
+int kq_q6k_interleave(const uint8_t *raw, int64_t rows, int64_t K, uint8_t *out, int nthreads) {
+#if defined(__AVX2__)
+    const int64_t nsb = K / 256, rb = nsb * 210;
+    if (rows % 8 || K % 256) return -1;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t gs = 0; gs < rows / 8 * nsb; ++gs) {
+        const int64_t g = gs / nsb, sb = gs % nsb;
+        uint8_t *o = out + gs * KQ_Q6I_BYTES;
+        for (int i = 0; i < 8; ++i) {
+            const uint8_t *blk = raw + (g * 8 + i) * rb + sb * 210;
+            uint8_t q[256];  /* the codes in order (as the generic kq_decode reads them) */
+            for (int h = 0; h < 2; ++h)
+                for (int l = 0; l < 128; ++l) {
+                    const int s = l / 32, c = l % 32;
+                    const uint8_t lo = blk[64 * h + c + 32 * (s & 1)], hb = blk[128 + 32 * h + c];
+                    q[128 * h + l] = (uint8_t)(((s < 2 ? lo : lo >> 4) & 15) | (((hb >> (2 * s)) & 3) << 4));
+                }
+            for (int j = 0; j < 8; ++j)
+                for (int c = 0; c < 4; ++c)
+                    for (int u = 0; u < 4; ++u) {
+                        const uint8_t *w = q + 32 * j + 4 * c + u;  /* weights 4c + u and 16 + 4c + u */
+                        o[128 * j + 32 * c + 4 * i + u] = (uint8_t)((w[0] & 15) | (w[16] & 15) << 4);
+                    }
+            for (int j = 0; j < 8; ++j)
+                for (int p = 0; p < 2; ++p)
+                    for (int u = 0; u < 4; ++u) {
+                        uint8_t v = 0;
+                        for (int qq = 0; qq < 4; ++qq) {  /* code register k = 2c + e: weight 16e + 4c + u */
+                            const int k = 4 * p + qq;
+                            v |= (uint8_t)((q[32 * j + 16 * (k & 1) + 4 * (k >> 1) + u] >> 4) << (2 * qq));
+                        }
+                        o[KQ_Q6I_TOP + 64 * j + 32 * p + 4 * i + u] = v;
+                    }
+            for (int h = 0; h < 16; ++h) o[KQ_Q6I_SC + 8 * h + i] = blk[192 + h];
+            memcpy(o + KQ_Q6I_D + 2 * i, blk + 208, 2);
+        }
+    }
+    return 0;
+#else
+    (void)raw; (void)rows; (void)K; (void)out; (void)nthreads;
     return -1;
 #endif
 }
