@@ -27,8 +27,10 @@
  * products run as vpmaddwd, the second half's added by vpdpwssd where VNNI exists (common.h's
  * madd2_epi16; int32 sums: at most 4 x 63 x 32767, exact), are converted to float once per block
  * and scaled per sub-block; at one token Q6_K rows go two at a time (kq_q6k_row2), each activation
- * line read once for both. Rows are split between OpenMP threads in contiguous ranges. A plain C
- * body (activations in natural order) serves the generic level.
+ * line read once for both. Q6_K parts whose rows come in 8s are regrouped by 8 rows at load
+ * (KQ_Q6_KI, below), the layout decode reads fastest. Rows are split between OpenMP threads in
+ * contiguous ranges. A plain C body (activations in natural order) serves the generic level, which
+ * never sees KQ_Q6_KI (kq_q6k_interleave declines there).
  *
  * This file is also compiled into the decode stack (decode_stack.py), after other kernel sources:
  * every name is kq_ / KQ_ prefixed. */
