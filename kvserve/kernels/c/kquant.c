@@ -107,6 +107,35 @@ static inline void kq_scale_min(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
     memcpy(m, o + 2, 8);
 }
 
+/* A super-block's 256 codes (natural order), their 16 sub-block scales d sc (Q6_K) or 8 (Q4_K /
+   Q5_K) and the 8 mins dmin m. */
+static void kq_decode(int64_t qtype, const uint8_t *blk, uint8_t q[256], float scale[16], float mins[8]) {
+    if (qtype == KQ_Q6_K) {
+        const float d = kq_half(blk + 208);
+        for (int i = 0; i < 16; ++i) scale[i] = d * (float)(int8_t)blk[192 + i];
+        for (int h = 0; h < 2; ++h)
+            for (int j = 0; j < 128; ++j) {
+                const int s = j / 32, l = j % 32;
+                const uint8_t lo = blk[64 * h + l + 32 * (s & 1)], hb = blk[128 + 32 * h + l];
+                q[128 * h + j] = (uint8_t)(((s < 2 ? lo : lo >> 4) & 15) | (((hb >> (2 * s)) & 3) << 4));
+            }
+        return;
+    }
+    const int has_qh = qtype == KQ_Q5_K;
+    const uint8_t *qs = blk + (has_qh ? 48 : 16);
+    uint8_t sc[8], mn[8];
+    kq_scale_min(blk + 4, sc, mn);
+    const float d = kq_half(blk), dmin = kq_half(blk + 2);
+    for (int s = 0; s < 8; ++s) {
+        scale[s] = d * (float)sc[s];
+        mins[s] = dmin * (float)mn[s];
+        for (int l = 0; l < 32; ++l) {
+            const uint8_t v = qs[32 * (s / 2) + l];
+            q[32 * s + l] = (uint8_t)(((s & 1) ? v >> 4 : v & 15) | (has_qh ? ((blk[16 + l] >> s) & 1) << 4 : 0));
+        }
+    }
+}
+
 /* Where activation j of a 32-value block is stored: the AVX2 kernels' unpack order, else natural. */
 #if defined(__AVX2__)
 #define KQ_POS(j) (((j) & 7) | (((j) & 8) << 1) | (((j) & 16) >> 1))
@@ -421,8 +450,9 @@ static inline __attribute__((always_inline)) void kq_q6i_tile(
         out[t] = _mm256_add_ps(a, acc[1][t]);
     }
 }
-/* Per-thread scratch for the split activations (kept between calls). */
-static uint8_t *kq_q6i_scratch(size_t n) {
+/* A per-thread byte buffer kept between calls (as qmatmul's split_scratch): kq_q6i_rows' split
+   activations, kq_linear_int8's unit copy. */
+static uint8_t *kq_scratch(size_t n) {
     static __thread uint8_t *buf;
     static __thread size_t cap;
     if (n > cap) {
@@ -439,7 +469,7 @@ static uint8_t *kq_q6i_scratch(size_t n) {
 static void kq_q6i_rows(const uint8_t *data, int64_t K, const int16_t *xq, const float *xd, const float *xh,
                         int64_t M, float *y, int64_t ldy, int64_t a, int64_t e) {
     const int64_t nb = K / 32, nsb = K / 256;
-    uint8_t *lo = kq_q6i_scratch((size_t)(M * K) * 2 + sizeof(int32_t) * (size_t)(2 * M * nb));
+    uint8_t *lo = kq_scratch((size_t)(M * K) * 2 + sizeof(int32_t) * (size_t)(2 * M * nb));
     if (!lo) abort();
     int8_t *hi = (int8_t *)lo + M * K;
     int32_t *c32 = (int32_t *)(lo + 2 * M * K);
@@ -490,35 +520,6 @@ static void kq_row(int64_t qtype, int mt, const uint8_t *row, int64_t K, const i
 #undef KQ_CASE
 
 #else  /* generic */
-
-/* A super-block's 256 codes (natural order), their 16 sub-block scales d sc (Q6_K) or 8 (Q4_K /
-   Q5_K) and the 8 mins dmin m. */
-static void kq_decode(int64_t qtype, const uint8_t *blk, uint8_t q[256], float scale[16], float mins[8]) {
-    if (qtype == KQ_Q6_K) {
-        const float d = kq_half(blk + 208);
-        for (int i = 0; i < 16; ++i) scale[i] = d * (float)(int8_t)blk[192 + i];
-        for (int h = 0; h < 2; ++h)
-            for (int j = 0; j < 128; ++j) {
-                const int s = j / 32, l = j % 32;
-                const uint8_t lo = blk[64 * h + l + 32 * (s & 1)], hb = blk[128 + 32 * h + l];
-                q[128 * h + j] = (uint8_t)(((s < 2 ? lo : lo >> 4) & 15) | (((hb >> (2 * s)) & 3) << 4));
-            }
-        return;
-    }
-    const int has_qh = qtype == KQ_Q5_K;
-    const uint8_t *qs = blk + (has_qh ? 48 : 16);
-    uint8_t sc[8], mn[8];
-    kq_scale_min(blk + 4, sc, mn);
-    const float d = kq_half(blk), dmin = kq_half(blk + 2);
-    for (int s = 0; s < 8; ++s) {
-        scale[s] = d * (float)sc[s];
-        mins[s] = dmin * (float)mn[s];
-        for (int l = 0; l < 32; ++l) {
-            const uint8_t v = qs[32 * (s / 2) + l];
-            q[32 * s + l] = (uint8_t)(((s & 1) ? v >> 4 : v & 15) | (has_qh ? ((blk[16 + l] >> s) & 1) << 4 : 0));
-        }
-    }
-}
 
 static void kq_row(int64_t qtype, int mt, const uint8_t *row, int64_t K, const int16_t *xq, const float *xd,
                    const float *xh, float *y, int64_t ldy) {
@@ -816,17 +817,6 @@ static void kq8_repack(int64_t qtype, const uint8_t *rows, int64_t row_bytes, in
         }
     }
 }
-/* Per-thread scratch for one unit's copy (kept between calls, as qmatmul's split_scratch). */
-static uint8_t *kq8_scratch(size_t n) {
-    static __thread uint8_t *buf;
-    static __thread size_t cap;
-    if (n > cap) {
-        free(buf);
-        buf = malloc(n);
-        cap = buf ? n : 0;
-    }
-    return buf;
-}
 /* One 16-weight half's 8 row sums: 4 chunks of codes w against 4 x 4 activation bytes x4. Without
    VNNI two maddubs results are added in int16 before widening (each pair at most 2 x 255 x 32, two
    of them 32640 < 32767 for codes within [-32, 32]). The same integers either way. */
@@ -929,7 +919,7 @@ int kq_linear_int8(const KqMatrix *W, int64_t N, const float *x, int64_t ldx, in
     int failed = 0;
     #pragma omp parallel num_threads(nthreads)
     {
-        uint8_t *wg = kq8_scratch(unit_bytes);
+        uint8_t *wg = kq_scratch(unit_bytes);
         if (!wg) {
             #pragma omp atomic write
             failed = 1;
@@ -996,13 +986,9 @@ int kq_q6k_interleave(const uint8_t *raw, int64_t rows, int64_t K, uint8_t *out,
         uint8_t *o = out + gs * KQ_Q6I_BYTES;
         for (int i = 0; i < 8; ++i) {
             const uint8_t *blk = raw + (g * 8 + i) * rb + sb * 210;
-            uint8_t q[256];  /* the codes in order (as the generic kq_decode reads them) */
-            for (int h = 0; h < 2; ++h)
-                for (int l = 0; l < 128; ++l) {
-                    const int s = l / 32, c = l % 32;
-                    const uint8_t lo = blk[64 * h + c + 32 * (s & 1)], hb = blk[128 + 32 * h + c];
-                    q[128 * h + l] = (uint8_t)(((s < 2 ? lo : lo >> 4) & 15) | (((hb >> (2 * s)) & 3) << 4));
-                }
+            uint8_t q[256];  /* the codes in order */
+            float scale[16], mins[8];
+            kq_decode(KQ_Q6_K, blk, q, scale, mins);
             for (int j = 0; j < 8; ++j)
                 for (int c = 0; c < 4; ++c)
                     for (int u = 0; u < 4; ++u) {
