@@ -32,6 +32,7 @@ _SIGNATURES = {
     "kq_dequantize": [_vp, _vp, _int, _int],
     "kq_linear_int8": [_vp, _i64, _vp, _i64, _i64, _vp, _i64, _int],
     "kq_q6k_interleave": [_vp, _i64, _i64, _vp, _int],
+    "kq_take_rows": [_vp, _vp, _i64, _vp, _int],
 }
 
 
@@ -64,6 +65,7 @@ def load() -> ctypes.CDLL | None:
             check_layout(_lib)
             _lib.kq_linear_int8.restype = ctypes.c_int  # 0, or -1: the int8 path does not apply
             _lib.kq_q6k_interleave.restype = ctypes.c_int  # 0, or -1: not on this build
+            _lib.kq_take_rows.restype = ctypes.c_int64  # -1, or the first position of an id out of range
         _tried = True
     return _lib
 
@@ -160,6 +162,20 @@ def dequantize(m: KqMatrix, dtype: torch.dtype = torch.float32, reuse: bool = Fa
     out = qmatmul.scratch(n * m.k, kind).view(n, m.k) if reuse else torch.empty(n, m.k, dtype=kind)
     lib.kq_dequantize(ctypes.addressof(m), out.data_ptr(), int(bf16), torch.get_num_threads())
     return out.to(dtype)
+
+
+def take_rows(m: KqMatrix, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of W, float32 [len(ids), K]: the values `dequantize` gives, only those rows
+    computed (a decode step's few on the calling thread): an embedding lookup in a K-quant table.
+    IndexError for an id outside W's rows."""
+    lib = load()
+    assert lib is not None
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), m.k)
+    bad = lib.kq_take_rows(ctypes.addressof(m), ids.data_ptr(), ids.numel(), out.data_ptr(), torch.get_num_threads())
+    if bad >= 0:
+        raise IndexError(f"token id {int(ids[bad])} out of range [0, {num_rows(m)})")
+    return out
 
 
 def reference(qtype: int, rows: torch.Tensor) -> torch.Tensor:

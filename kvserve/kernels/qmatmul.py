@@ -71,8 +71,9 @@ KSCALES = 64  # or'ed into Blocks.kind: factored scales and offsets (the module 
 VNNI_LEVELS = ("avx512_vnni", "avx_vnni")  # cpu.isa_level()s whose kernels have vpdpbusd
 MODES = ("float32", "int8", "int16")  # activations: exact floats, or int8 / int16 codes per 32-value block
 _i64, _vp, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-_SIGNATURES = {  # the two entry points; the rest of the source is static
+_SIGNATURES = {  # the entry points; the rest of the source is static
     "dequantize": [_int, _vp, _vp, _vp, _i64, _i64, _vp, _int, _int],
+    "take_rows": [_int, _vp, _vp, _vp, _i64, _i64, _vp, _i64, _vp, _int],
     "qlinear": [_int, _vp, _vp, _vp, _i64, _i64, _vp, _i64, _i64, _vp, _i64, _int, _int],
 }
 _lib: ctypes.CDLL | None = None
@@ -82,6 +83,8 @@ def load() -> ctypes.CDLL | None:
     """The compiled library (build.load_library), or None: callers then use torch ops."""
     global _lib
     _lib = build.load_library("qmatmul", "qmatmul.c", _SIGNATURES)
+    if _lib is not None:
+        _lib.take_rows.restype = ctypes.c_int64  # -1, or the first position of an id out of range
     return _lib
 
 
@@ -237,16 +240,20 @@ def relayout(w: Blocks, interleaved: bool) -> Blocks:
 
 
 def rows(w: Blocks, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of W, float32 [len(ids), K] (an embedding lookup in a compressed table)."""
-    ids = ids.reshape(-1)
-    if w.interleaved:
-        n, half = w.codes.shape
-        g, i = ids // 8, ids % 8
-        codes = w.codes.view(n // 8, half // 16, 4, 8, 4)[g, :, :, i].reshape(len(ids), half)
-        d, c = (None if t is None else t.view(n // 8, t.shape[1], 8)[g, :, i] for t in (w.d, w.c))
-        return reference(Blocks(codes, d, c, w.bits))
-    return reference(Blocks(w.codes.index_select(0, ids), w.d.index_select(0, ids),
-                            None if w.c is None else w.c.index_select(0, ids), w.bits))
+    """Rows `ids` of W, float32 [len(ids), K] (an embedding lookup in a compressed table): the
+    values `dequantize` gives, only those rows computed (a decode step's few on the calling
+    thread). IndexError for an id outside [0, N)."""
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    n, k = w.shape
+    lib = _lib or load()
+    if lib is None:  # (Blocks are only built where the library loads: `supports`)
+        return reference(w)[ids]
+    out = torch.empty(ids.numel(), k)
+    bad = lib.take_rows(w.kind, w.codes.data_ptr(), w.d.data_ptr(), _ptr(w.c), n, k, ids.data_ptr(), ids.numel(),
+                        out.data_ptr(), torch.get_num_threads())
+    if bad >= 0:
+        raise IndexError(f"token id {int(ids[bad])} out of range [0, {n})")
+    return out
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

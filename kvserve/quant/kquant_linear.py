@@ -106,22 +106,7 @@ class KQuantLinear(_QuantLinear):
         ids = ids.reshape(-1)
         if self.path == "dense":
             return self.weight.index_select(0, ids).float()
-        out = torch.empty(ids.numel(), self.in_features)
-        first = 0
-        for qtype, rows in self.part_rows():
-            inside = ((ids >= first) & (ids < first + rows.shape[0])).nonzero().reshape(-1)
-            if inside.numel():
-                local = ids[inside] - first
-                if qtype == kquant.Q6_KI:  # the groups of 8 that hold them, then the rows from those
-                    groups = rows.view(rows.shape[0] // 8, -1).index_select(0, local // 8)
-                    w = kquant.dequantize(kquant.make_matrix([(qtype, groups.view(-1, rows.shape[1]))],
-                                                             self.in_features))
-                    out[inside] = w[torch.arange(local.numel()) * 8 + local % 8]
-                else:
-                    picked = rows.index_select(0, local)
-                    out[inside] = kquant.dequantize(kquant.make_matrix([(qtype, picked)], self.in_features))
-            first += rows.shape[0]
-        return out
+        return kquant.take_rows(self.matrix(), ids)
 
     def extra_repr(self) -> str:
         names = {kquant.Q4_K: "Q4_K", kquant.Q5_K: "Q5_K", kquant.Q6_K: "Q6_K"}

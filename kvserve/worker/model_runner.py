@@ -371,36 +371,39 @@ class ModelRunner:
         (default its num_computed_tokens; a draft model feeds its own)."""
         ids: list[int] = []
         pos: list[int] = []
+        slots: list[int] = []
         qsl = [0]
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         req_rows = [0]
         num_decodes = 0
+        bs = self.block_size
         for rid in order:
             st, n = self.requests[rid], num_sched[rid]
             start = st.num_computed_tokens if starts is None else starts[rid]
             ids.extend(st.token_ids[start:start + n])
             pos.extend(range(start, start + n))
+            blocks = st.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             rows = [1] * n if rid in drafts else [n]
             for i, q in enumerate(rows):
                 qsl.append(qsl[-1] + q)
                 seq_lens.append(start + i + q)
-                tables.append(st.block_ids)
+                tables.append(blocks)
                 num_decodes += q == 1
             req_rows.append(len(ids))
+        # plain lists into tensors: one call each (a decode step is a few tokens; its preparation is
+        # per-step overhead that every token pays)
         width = max(len(t) for t in tables)
-        table_t = torch.zeros((len(tables), width), dtype=torch.int64)
-        for i, t in enumerate(tables):
-            table_t[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
-        pos_t = torch.tensor(pos, dtype=torch.int64)
-        req_idx = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(qsl[1:]) - torch.tensor(qsl[:-1]))
-        slots = table_t[req_idx, pos_t // self.block_size] * self.block_size + pos_t % self.block_size
+        table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
         meta = AttentionMetadata(
             num_decodes=num_decodes, query_start_loc=qsl, seq_lens=seq_lens,
-            slot_mapping=self._to_device(slots), block_tables=self._to_device(table_t),
-            seq_lens_tensor=self._to_device(torch.tensor(seq_lens, dtype=torch.int64)), block_size=self.block_size,
+            slot_mapping=self._to_device(torch.tensor(slots, dtype=torch.int64)),
+            block_tables=self._to_device(table_t),
+            seq_lens_tensor=self._to_device(torch.tensor(seq_lens, dtype=torch.int64)), block_size=bs,
             query_start_tensor=self._to_device(torch.tensor(qsl, dtype=torch.int32)))
-        return meta, self._to_device(torch.tensor(ids, dtype=torch.int64)), self._to_device(pos_t), req_rows
+        return (meta, self._to_device(torch.tensor(ids, dtype=torch.int64)),
+                self._to_device(torch.tensor(pos, dtype=torch.int64)), req_rows)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor on the runner's device; to a GPU from pinned memory, without waiting."""

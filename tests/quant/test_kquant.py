@@ -239,6 +239,12 @@ def test_linear_kernel_dense_path_and_rows(qtype):
     torch.testing.assert_close(lin.dequantize(), ref, rtol=1e-6, atol=1e-6)
     ids = torch.tensor([47, 0, 5, 5, 31])
     torch.testing.assert_close(lin.rows(ids), ref[ids], rtol=1e-6, atol=1e-6)
+    # the rows are dequantize's values, a few on the calling thread or many split between threads
+    full = lin.dequantize()
+    for many in (ids, torch.arange(48).flip(0).repeat(2)):
+        assert torch.equal(lin.rows(many), full[many])
+    with pytest.raises(IndexError, match="48"):
+        lin.rows(torch.tensor([3, 48]))
     assert lin.raw.numel() == raw.size  # the file's bytes, nothing more
     # the dense path dequantizes into the thread's reused buffer: the same bits as a fresh one
     m = lin.matrix()

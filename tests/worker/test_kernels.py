@@ -117,6 +117,15 @@ def check_blocks(w, dense, bits: int, n: int, k: int) -> list[str]:
     if not (torch.equal(qmatmul.dequantize(w, torch.bfloat16).view(torch.int16), f32.bfloat16().view(torch.int16))
             and torch.equal(qmatmul.dequantize(w, torch.float16), f32.half())):
         bad.append(f"dequantize {bits}-bit {n}x{k} to bfloat16 / float16")
+    # embedding rows: dequantize's values, a few rows on the calling thread, many split (TAKE_ROWS_THREADED)
+    for ids in (torch.tensor([n - 1, 0, n // 2, 0]), torch.arange(n).flip(0).repeat(64 // n + 1)):
+        if not torch.equal(qmatmul.rows(w, ids), f32[ids]):
+            bad.append(f"rows {bits}-bit {n}x{k} ({len(ids)} ids)")
+    try:
+        qmatmul.rows(w, torch.tensor([0, n]))
+        bad.append(f"rows {bits}-bit {n}x{k}: id {n} taken")
+    except IndexError:
+        pass
     for m in (1, 2, 3, 4, 5, 9, 12, 17, 130):  # 12+: row-major weights take the panel path; 130 spans two token chunks
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         ref = F.linear(x, dense)

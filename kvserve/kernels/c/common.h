@@ -9,6 +9,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+/* From how many rows an embedding lookup (take_rows, kq_take_rows) is split between threads: a
+   decode step's few rows are cheaper on the calling thread than waking the others. */
+#define TAKE_ROWS_THREADED 64
 #if defined(__AVX2__)
 #include <immintrin.h>
 static inline float hsum8(__m256 v) {

@@ -50,6 +50,11 @@
 enum { KQ_Q4_K = 12, KQ_Q5_K = 13, KQ_Q6_K = 14 };  /* GGMLQuantizationType values */
 /* Q6_K rows interleaved by 8 (below; no GGML type: kquant.py's own code for such a part). */
 enum { KQ_Q6_KI = 114 };
+/* An interleaved group of 8 rows (kq_q6k_interleave, below): offsets in its super-blocks. */
+#define KQ_Q6I_BYTES 1680  /* a group's super-block */
+#define KQ_Q6I_TOP 1024    /* offsets in it: tops, scales, d */
+#define KQ_Q6I_SC 1536
+#define KQ_Q6I_D 1664
 #define KQ_MAX_PARTS 4
 #define KQ_TILE 4  /* tokens per pass over a weight row: its blocks are decoded once per KQ_TILE tokens */
 
@@ -353,15 +358,11 @@ static void kq_q6k_row2(const uint8_t *row0, const uint8_t *row1, int64_t nsb, c
    (per 32-weight block 4 chunks of 32 bytes, chunk c's byte 4 i + j: row i's weights 4c + j in the
    low nibble and 16 + 4c + j in the high one), the 2-bit tops in two more chunks per block (byte
    4 i + j of plane p, bits 2q..2q+1: the top of the weight that code register 4p + q holds, below),
-   then the 16 sub-block scales [16][8 rows] and d [8 rows]. One token's int16 codes, split into
+   then the 16 sub-block scales [16][8 rows] and d [8 rows] (KQ_Q6I_*, above). One token's int16 codes, split into
    bytes as qmatmul's 4-bit kernel takes them, are broadcast 4 at a time against a register of 8
    rows' codes, so the codes are built once per 8 rows rather than once per row and token: per block
    and 8 rows 16 dpbusd (VNNI) where kq_q6k_row2 spends ~12 operations per row. Read from DRAM on
    Zen 4 (2 threads, 8192-wide and 3072-wide weights): 33-35 GB/s against kq_q6k_row2's 21-26. */
-#define KQ_Q6I_BYTES 1680  /* a group's super-block */
-#define KQ_Q6I_TOP 1024    /* offsets in it: tops, scales, d */
-#define KQ_Q6I_SC 1536
-#define KQ_Q6I_D 1664
 /* Block j of a group's super-block o as 8 registers of codes (0..63): w[2c + e] holds, in lane i,
    row i's weights 16 e + 4 c + 0..3. */
 static inline void kq_q6i_codes(const uint8_t *o, int j, __m256i w[8]) {
@@ -721,6 +722,47 @@ void kq_dequantize(const KqMatrix *W, void *w, int bf16, int nthreads) {
         }
         first += P->rows;
     }
+}
+
+/* Row i (0..7) of an interleaved Q6_K group (K columns at wg) into out [K]: each weight (d sc) (q - 32),
+   as kq_q6i_dequantize and kq_dequantize_row compute it, read back from kq_q6k_interleave's layout one
+   byte at a time (an embedding row: 1/8 of the group's work). Not kq_q6i_dequantize into a scratch
+   group: with this caller's constant arguments GCC 12.2 at -O3 specialized that function and its
+   induction-variable pass wrote wrong addresses (kq_dequantize's runtime arguments are not affected;
+   tests/quant/test_kquant.py checks both against the file's rows). */
+static void kq_q6i_row(const uint8_t *wg, int64_t K, int i, float *out) {
+    for (int64_t sb = 0; sb < K / 256; ++sb) {
+        const uint8_t *o = wg + sb * KQ_Q6I_BYTES;
+        const float d = kq_half(o + KQ_Q6I_D + 2 * i);
+        for (int j = 0; j < 8; ++j)
+            for (int w = 0; w < 32; ++w) {  /* weight w = 16 e + 4 c + u of block j: code register k = 2 c + e */
+                const int e = w >> 4, c = (w >> 2) & 3, u = w & 3, k = 2 * c + e;
+                const int low = (o[128 * j + 32 * c + 4 * i + u] >> (4 * e)) & 15;
+                const int top = (o[KQ_Q6I_TOP + 64 * j + 32 * (k >> 2) + 4 * i + u] >> (2 * (k & 3))) & 3;
+                const float ds = d * (float)(int8_t)o[KQ_Q6I_SC + 8 * (2 * j + e) + i];
+                out[sb * 256 + 32 * j + w] = ds * (float)((low | top << 4) - 32);
+            }
+    }
+}
+/* Rows ids [count] of W as float32 into out [count, K], the values kq_dequantize gives: an
+   embedding lookup in a K-quant table. Returns the first position whose id is outside W's rows,
+   else -1 (nothing written past it). */
+int64_t kq_take_rows(const KqMatrix *W, const int64_t *ids, int64_t count, float *out, int nthreads) {
+    int64_t n = 0;
+    for (int64_t p = 0; p < W->nparts; ++p) n += W->part[p].rows;
+    for (int64_t i = 0; i < count; ++i)
+        if (ids[i] < 0 || ids[i] >= n) return i;
+    const int64_t K = W->k;
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (count >= TAKE_ROWS_THREADED)
+    for (int64_t i = 0; i < count; ++i) {
+        int64_t r = ids[i], p = 0;
+        while (r >= W->part[p].rows) r -= W->part[p++].rows;
+        const KqPart *P = W->part + p;
+        const int64_t row_bytes = K / 256 * kq_block_bytes(P->qtype);
+        if (P->qtype == KQ_Q6_KI) kq_q6i_row(P->data + (r / 8) * 8 * row_bytes, K, (int)(r % 8), out + i * K);
+        else kq_dequantize_row(P->qtype, P->data + r * row_bytes, K, out + i * K);
+    }
+    return -1;
 }
 
 /* Prefill-sized batches on int8 activations (kq_linear_int8): the K-quant rows of 8 output rows

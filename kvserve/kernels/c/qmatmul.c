@@ -1577,52 +1577,71 @@ void qlinear(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_
     free(xs);
 }
 
+/* Row n of W [N, K] (bits may carry HALF_SCALES, KSCALES, INTERLEAVED) into dst [K]: float32, or
+   bfloat16 when bf16, float32's value rounded once. */
+static void dequantize_row(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t K, int64_t n,
+                           void *dst, int bf16) {
+    const int half = bits & HALF_SCALES, il = bits & INTERLEAVED, ks = bits & KSCALES;
+    bits &= ~(HALF_SCALES | INTERLEAVED | KSCALES);
+    const int64_t nb = K / 32, row_bytes = bits == 4 ? K / 2 : K;
+    const uint8_t *wr = wq + n * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+        /* where row n's block b is: its bytes, or (interleaved) its chunks' lanes: 4-bit 4, 8-bit 8 */
+        const int64_t at = il ? ((n >> 3) * nb + b) * 8 + (n & 7) : n * nb + b, bb = bits == 4 ? 16 : 32;
+        uint8_t blk[32];  /* (4-bit: 16 bytes) */
+        if (il)
+            for (int ch = 0; ch < bb / 4; ++ch)
+                memcpy(blk + 4 * ch, wq + ((n >> 3) * nb + b) * 8 * bb + 32 * ch + 4 * (n & 7), 4);
+        float d, c;
+        if (ks) k_scale_at(wd, wc, nb, il, n, b, &d, &c);
+        else {
+            d = half ? half_to_float(((const uint16_t *)wd)[at]) : ((const float *)wd)[at];
+            c = wc ? ((const float *)wc)[at] : 0.f;
+        }
+        const int64_t o = b * 32;
+#if defined(__AVX2__)
+        __m256 wv[4];
+        block_floats(il ? blk : wr, il ? 0 : b, bits, wv);
+        for (int q = 0; q < 4; ++q) {  /* 4-bit: the nibbles centred (exact in float), as codes_of does */
+            const __m256 code = bits == 4 ? _mm256_sub_ps(wv[q], _mm256_set1_ps(8.f)) : wv[q];
+            const __m256 v = _mm256_fmadd_ps(code, _mm256_set1_ps(d), _mm256_set1_ps(c));
+            if (bf16) _mm_storeu_si128((__m128i *)((uint16_t *)dst + o + 8 * q), bf16x8(v));
+            else _mm256_storeu_ps((float *)dst + o + 8 * q, v);
+        }
+        continue;
+#endif
+        int8_t code[32];
+        if (il) codes_of(blk, 0, bits, code);
+        else codes_of(wr, b, bits, code);
+        float v[32];
+        for (int j = 0; j < 32; ++j) v[j] = (float)code[j] * d + c;
+        if (bf16)
+            for (int j = 0; j < 32; ++j) ((uint16_t *)dst)[o + j] = float_to_bf16(v[j]);
+        else
+            memcpy((float *)dst + o, v, sizeof v);
+    }
+}
+
 /* W [N, K] as float32, or bfloat16 when bf16 (bits may carry HALF_SCALES, KSCALES, INTERLEAVED).
    bfloat16 is float32's value rounded once: the same bits as converting the float32 result,
    without writing and reading it (a prefill's dense bfloat16 matmul dequantizes its weight on
    every call). */
 void dequantize(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t N, int64_t K, void *w,
                 int bf16, int nthreads) {
-    const int half = bits & HALF_SCALES, il = bits & INTERLEAVED, ks = bits & KSCALES;
-    bits &= ~(HALF_SCALES | INTERLEAVED | KSCALES);
-    const int64_t nb = K / 32, row_bytes = bits == 4 ? K / 2 : K;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-        const uint8_t *wr = wq + n * row_bytes;
-        for (int64_t b = 0; b < nb; ++b) {
-            /* where row n's block b is: its bytes, or (interleaved) its chunks' lanes: 4-bit 4, 8-bit 8 */
-            const int64_t at = il ? ((n >> 3) * nb + b) * 8 + (n & 7) : n * nb + b, bb = bits == 4 ? 16 : 32;
-            uint8_t blk[32];  /* (4-bit: 16 bytes) */
-            if (il)
-                for (int ch = 0; ch < bb / 4; ++ch)
-                    memcpy(blk + 4 * ch, wq + ((n >> 3) * nb + b) * 8 * bb + 32 * ch + 4 * (n & 7), 4);
-            float d, c;
-            if (ks) k_scale_at(wd, wc, nb, il, n, b, &d, &c);
-            else {
-                d = half ? half_to_float(((const uint16_t *)wd)[at]) : ((const float *)wd)[at];
-                c = wc ? ((const float *)wc)[at] : 0.f;
-            }
-            const int64_t o = n * K + b * 32;
-#if defined(__AVX2__)
-            __m256 wv[4];
-            block_floats(il ? blk : wr, il ? 0 : b, bits, wv);
-            for (int q = 0; q < 4; ++q) {  /* 4-bit: the nibbles centred (exact in float), as codes_of does */
-                const __m256 code = bits == 4 ? _mm256_sub_ps(wv[q], _mm256_set1_ps(8.f)) : wv[q];
-                const __m256 v = _mm256_fmadd_ps(code, _mm256_set1_ps(d), _mm256_set1_ps(c));
-                if (bf16) _mm_storeu_si128((__m128i *)((uint16_t *)w + o + 8 * q), bf16x8(v));
-                else _mm256_storeu_ps((float *)w + o + 8 * q, v);
-            }
-            continue;
-#endif
-            int8_t code[32];
-            if (il) codes_of(blk, 0, bits, code);
-            else codes_of(wr, b, bits, code);
-            float v[32];
-            for (int j = 0; j < 32; ++j) v[j] = (float)code[j] * d + c;
-            if (bf16)
-                for (int j = 0; j < 32; ++j) ((uint16_t *)w)[o + j] = float_to_bf16(v[j]);
-            else
-                memcpy((float *)w + o, v, sizeof v);
-        }
-    }
+    for (int64_t n = 0; n < N; ++n)
+        dequantize_row(bits, wq, wd, wc, K, n, bf16 ? (void *)((uint16_t *)w + n * K) : (void *)((float *)w + n * K),
+                       bf16);
+}
+
+/* Rows ids [count] of W [N, K] as float32 into out [count, K], the values dequantize gives: an
+   embedding lookup. A few rows (a decode step's) on the calling thread: no threads to wake.
+   Returns the first position whose id is outside [0, N), else -1 (nothing written past it). */
+int64_t take_rows(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t N, int64_t K,
+                  const int64_t *ids, int64_t count, float *out, int nthreads) {
+    for (int64_t i = 0; i < count; ++i)
+        if (ids[i] < 0 || ids[i] >= N) return i;
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (count >= TAKE_ROWS_THREADED)
+    for (int64_t i = 0; i < count; ++i) dequantize_row(bits, wq, wd, wc, K, ids[i], out + i * K, 0);
+    return -1;
 }
