@@ -78,17 +78,24 @@ static void lin_rows(const Lin *L, int act, const float *x, int64_t m, float *y,
    The pieces are whole groups of 8 rows (an interleaved weight's group is one piece's); each
    costs one kernel call (int16 activations split into bytes again: ~K operations). */
 #define LIN_PIECES_PER_THREAD 4
+/* SiLU-mul's columns per piece of work (a multiple of every vector width, so each value is computed
+   as in the whole row, ops.c's silu_mul). */
+#define SILU_SPAN 512
 
 /* y [m, L->n] (row stride ldy) = x [m, L->k] @ W.T + bias, by every thread of the region; x's
-   block sums / int8 or int16 codes go into xs / xq first (thread 0). Ends at a barrier; then the
+   int8 or int16 codes go into xq / xs first, block by block and the blocks shared by the threads
+   (other preparations by thread 0). Ends at a barrier; then the
    rows of L->rest, if any, the same way (each part prepares x as its kernel takes it). The rows
    are computed independently, so which thread takes a piece changes no output. */
 static void lin_run(const Lin *L, const float *x, int64_t m, float *y, int64_t ldy, float *xs, void *xq) {
     const int act = act_for(L->act, (int)L->kind, m);  /* the rule qlinear applies, so both paths sum alike */
     const int64_t nb = L->k / 32;
     if (L->kind == LIN_KQUANT) {  /* int16 codes; scales xd [m nb] and half sums xh [2 m nb] in xs */
-        #pragma omp single
-        kq_quantize(x, L->k, m, L->k, (int16_t *)xq, xs, xs + m * nb, 1);  /* implicit barrier */
+        #pragma omp for schedule(static)  /* the blocks shared by the threads; implicit barrier */
+        for (int64_t i = 0; i < m * nb; ++i) kq_quantize_block(x, L->k, L->k, (int16_t *)xq, xs, xs + m * nb, i);
+    } else if (L->kind != LIN_DENSE && act_by_blocks(act, (int)L->kind)) {
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < m * nb; ++i) prepare_block(act, x, L->k, m, L->k, xq, xs, i);
     } else if (L->kind != LIN_DENSE) {
         #pragma omp single
         prepare_act(act, (int)L->kind, x, L->k, m, L->k, xq, xs, 1);  /* implicit barrier */
@@ -109,7 +116,7 @@ void decode_stack(const Layer *layers, int64_t nlayers, const Dims *dm, int64_t 
                   const float *cos_, const float *sin_, const int64_t *pos, const int64_t *slots,
                   const int64_t *tables, int64_t ts, const int64_t *lens, int64_t max_len, int nthreads) {
     const int64_t H = dm->hidden, d = dm->d, qs = dm->hq * d, kvs = dm->hkv * d, wq = qs + 2 * kvs, I = dm->inter;
-    const int64_t width = dm->hkv * d, g = dm->hq / dm->hkv;
+    const int64_t width = dm->hkv * d, g = dm->hq / dm->hkv, spans = (I + SILU_SPAN - 1) / SILU_SPAN;
     float *x = malloc(sizeof(float) * B * H), *qkv = malloc(sizeof(float) * B * wq);
     float *attn = malloc(sizeof(float) * B * qs), *gu = malloc(sizeof(float) * B * 2 * I);
     float *act = malloc(sizeof(float) * B * I), *xs = malloc(sizeof(float) * B * (dm->max_k / 32) * 3);
@@ -160,8 +167,11 @@ void decode_stack(const Layer *layers, int64_t nlayers, const Dims *dm, int64_t 
             for (int64_t t = 0; t < B; ++t)
                 norm_row(h + t * H, res + t * H, res + t * H, L->post_norm, x + t * H, H, dm->eps);
             lin_run(&L->gate_up, x, B, gu, 2 * I, xs, xq);
-            #pragma omp for schedule(static)
-            for (int64_t t = 0; t < B; ++t) silu_mul_row(gu + t * 2 * I, act + t * I, I);
+            #pragma omp for schedule(static)  /* in spans of SILU_SPAN columns: one token's row is shared too */
+            for (int64_t i = 0; i < B * spans; ++i) {
+                const int64_t t = i / spans, j = i % spans * SILU_SPAN, n = I - j < SILU_SPAN ? I - j : SILU_SPAN;
+                silu_mul_span(gu + t * 2 * I + j, gu + t * 2 * I + I + j, act + t * I + j, n);
+            }
             lin_run(&L->down, act, B, h, H, xs, xq);
         }
         free(rows); free(buf); free(scores);

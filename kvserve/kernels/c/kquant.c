@@ -149,29 +149,31 @@ static void kq_decode(int64_t qtype, const uint8_t *blk, uint8_t q[256], float s
 #endif
 
 /* x [M, K] (row stride ldx) -> xq int16 [M, K], xd [M, K/32], xh [M, K/16] (see the top). */
+/* Block i (of M x K / 32) of x as kq_quantize writes it: the decode stack's threads share a call's blocks. */
+static inline void kq_quantize_block(const float *x, int64_t ldx, int64_t K, int16_t *xq, float *xd, float *xh,
+                                     int64_t i) {
+    const int64_t nb = K / 32, m = i / nb, b = i % nb;
+    const float *src = x + m * ldx + b * 32;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) { const float a = fabsf(src[j]); amax = a > amax ? a : amax; }
+    const float id = amax > 0.f ? 32767.f / amax : 0.f;
+    int16_t q[32];  /* natural order first: plain loops vectorize, a scattered store does not */
+    int32_t h0 = 0, h1 = 0;
+    for (int j = 0; j < 32; ++j) {
+        const float v = src[j] * id;
+        q[j] = (int16_t)(int)(v + (v >= 0.f ? .5f : -.5f));
+    }
+    for (int j = 0; j < 16; ++j) { h0 += q[j]; h1 += q[16 + j]; }
+    int16_t *dst = xq + m * K + b * 32;
+    for (int c = 0; c < 4; ++c) memcpy(dst + KQ_POS(8 * c), q + 8 * c, 16);
+    xd[i] = amax / 32767.f;
+    xh[2 * i] = -32.f * (float)h0;
+    xh[2 * i + 1] = -32.f * (float)h1;
+}
 static void kq_quantize(const float *x, int64_t ldx, int64_t M, int64_t K, int16_t *xq, float *xd, float *xh,
                         int nthreads) {
-    const int64_t nb = K / 32;
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
-    for (int64_t i = 0; i < M * nb; ++i) {
-        const int64_t m = i / nb, b = i % nb;
-        const float *src = x + m * ldx + b * 32;
-        float amax = 0.f;
-        for (int j = 0; j < 32; ++j) { const float a = fabsf(src[j]); amax = a > amax ? a : amax; }
-        const float id = amax > 0.f ? 32767.f / amax : 0.f;
-        int16_t q[32];  /* natural order first: plain loops vectorize, a scattered store does not */
-        int32_t h0 = 0, h1 = 0;
-        for (int j = 0; j < 32; ++j) {
-            const float v = src[j] * id;
-            q[j] = (int16_t)(int)(v + (v >= 0.f ? .5f : -.5f));
-        }
-        for (int j = 0; j < 16; ++j) { h0 += q[j]; h1 += q[16 + j]; }
-        int16_t *dst = xq + m * K + b * 32;
-        for (int c = 0; c < 4; ++c) memcpy(dst + KQ_POS(8 * c), q + 8 * c, 16);
-        xd[i] = amax / 32767.f;
-        xh[2 * i] = -32.f * (float)h0;
-        xh[2 * i + 1] = -32.f * (float)h1;
-    }
+    for (int64_t i = 0; i < M * (K / 32); ++i) kq_quantize_block(x, ldx, K, xq, xd, xh, i);
 }
 
 #if defined(__AVX2__)

@@ -32,12 +32,13 @@ static inline void rotary_row(float *x, int64_t h, int64_t d, const float *c, co
         }
     }
 }
-/* out [n] = silu(gu[:n]) * gu[n:]. */
-static inline void silu_mul_row(const float *gu, float *out, int64_t n) {
-    const float *u = gu + n;
+/* out [n] = silu(g) * u. */
+static inline void silu_mul_span(const float *g, const float *u, float *out, int64_t n) {
     #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] = gu[i] / (1.f + vexpf(-gu[i])) * u[i];
+    for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.f + vexpf(-g[i])) * u[i];
 }
+/* out [n] = silu(gu[:n]) * gu[n:]. */
+static inline void silu_mul_row(const float *gu, float *out, int64_t n) { silu_mul_span(gu, gu + n, out, n); }
 
 /* out[t] = norm(x[t] (+ res[t])) * w; with res: res_out[t] = x[t] + res[t] first. */
 void rms_norm(const float *x, int64_t ldx, const float *res, float *res_out, const float *w, float *out,

@@ -32,30 +32,32 @@ static inline void codes_of(const uint8_t *wr, int64_t b, int bits, int8_t *out)
    finer, so a product's error is ~1e-5 of its size), scale xd = amax / qmax, the exact float sum
    xs, and xk = -8 xd sum(codes): what centring 4-bit codes (nibble - 8) subtracts, so the kernel
    can multiply the nibbles as they are (unsigned, as maddubs takes them) in the same integer math. */
+/* Block i (of M x K / 32) of x as quantize_codes writes it: the decode stack's threads share a call's blocks. */
+static inline void quantize_block(const float *x, int64_t ldx, int64_t K, void *xq, int qmax, float *xd, float *xs,
+                                  float *xk, int64_t i) {
+    const int64_t nb = K / 32, m = i / nb, b = i % nb;
+    const float *src = x + m * ldx + b * 32;
+    float amax = 0.f, sum = 0.f;
+    for (int j = 0; j < 32; ++j) { const float a = fabsf(src[j]); amax = a > amax ? a : amax; sum += src[j]; }
+    const float d = amax / (float)qmax, id = d > 0.f ? (float)qmax / amax : 0.f;
+    int32_t code[32], isum = 0;
+    for (int j = 0; j < 32; ++j) {
+        const float v = src[j] * id;
+        code[j] = (int)(v + (v >= 0.f ? .5f : -.5f));
+        isum += code[j];
+    }
+    if (qmax == 127)
+        for (int j = 0; j < 32; ++j) ((int8_t *)xq)[m * K + b * 32 + j] = (int8_t)code[j];
+    else
+        for (int j = 0; j < 32; ++j) ((int16_t *)xq)[m * K + b * 32 + j] = (int16_t)code[j];
+    xd[i] = d;
+    xs[i] = sum;
+    xk[i] = -8.f * d * (float)isum;
+}
 static void quantize_codes(const float *x, int64_t ldx, int64_t M, int64_t K, void *xq, int qmax, float *xd,
                            float *xs, float *xk, int nthreads) {
-    const int64_t nb = K / 32;
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
-    for (int64_t i = 0; i < M * nb; ++i) {
-        const int64_t m = i / nb, b = i % nb;
-        const float *src = x + m * ldx + b * 32;
-        float amax = 0.f, sum = 0.f;
-        for (int j = 0; j < 32; ++j) { const float a = fabsf(src[j]); amax = a > amax ? a : amax; sum += src[j]; }
-        const float d = amax / (float)qmax, id = d > 0.f ? (float)qmax / amax : 0.f;
-        int32_t code[32], isum = 0;
-        for (int j = 0; j < 32; ++j) {
-            const float v = src[j] * id;
-            code[j] = (int)(v + (v >= 0.f ? .5f : -.5f));
-            isum += code[j];
-        }
-        if (qmax == 127)
-            for (int j = 0; j < 32; ++j) ((int8_t *)xq)[m * K + b * 32 + j] = (int8_t)code[j];
-        else
-            for (int j = 0; j < 32; ++j) ((int16_t *)xq)[m * K + b * 32 + j] = (int16_t)code[j];
-        xd[i] = d;
-        xs[i] = sum;
-        xk[i] = -8.f * d * (float)isum;
-    }
+    for (int64_t i = 0; i < M * (K / 32); ++i) quantize_block(x, ldx, K, xq, qmax, xd, xs, xk, i);
 }
 
 /* x [M, K] (row stride ldx) as int8 codes packed for il8_tile / il8b_tile (flip): quantize_runs's
@@ -1543,6 +1545,14 @@ static inline size_t act_bytes(int act, int64_t M, int64_t K) {
 /* x's side of the product with a weight of kind `bits`: block sums xs [M, K/32] (floats), or int
    codes xq with sums, scales and centring terms in xs [3, M, K/32], or, for the interleaved int8
    kernels (packed_int8), xq as quantize_packed writes it (xq sized by act_bytes). */
+/* Whether prepare_act quantizes x block by block (quantize_codes): then prepare_block(i) for each i
+   < M K / 32 writes what it would, and a caller's threads can share the blocks (the decode stack). */
+static inline int act_by_blocks(int act, int bits) { return act != ACT_FLOAT && !packed_int8(act, bits); }
+static inline void prepare_block(int act, const float *x, int64_t ldx, int64_t M, int64_t K, void *xq, float *xs,
+                                 int64_t i) {
+    const int64_t nb = K / 32;
+    quantize_block(x, ldx, K, xq, act == ACT_INT8 ? 127 : 32767, xs + M * nb, xs, xs + 2 * M * nb, i);
+}
 static void prepare_act(int act, int bits, const float *x, int64_t ldx, int64_t M, int64_t K, void *xq, float *xs,
                         int nthreads) {
     const int64_t nb = K / 32;
