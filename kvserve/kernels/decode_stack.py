@@ -41,7 +41,7 @@ class Dims(ctypes.Structure):
 
 
 _vp, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_SIGNATURES = {"decode_stack": [_vp, _i64, _vp, _i64, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i64, _vp, _i64, _int]}
+_SIGNATURES = {"decode_stack": [_vp, _i64, _vp, _i64, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _i64, _vp, _i64, _vp, _int]}
 
 
 _checked = False

@@ -17,8 +17,9 @@ OpenMP parallel region, the threads meeting at a barrier between ops:
 
 The ops are the ones the layers' Python path calls (qmatmul's blocks kernels, ops' rows, the cpu
 attention backend's kernel), compiled into one library, so both paths compute the same sums in
-the same order: outputs are bit-identical (tested). The embedding before and the final norm and
-LM head after stay in Python.
+the same order: outputs are bit-identical (tested). The model's final norm runs here too (a
+torch call after the stack cost ~0.1 ms: the Python it runs is out of cache after the layers'
+weights streamed through); the embedding before and the LM head after stay in Python.
 
 It runs a step when the batch is small enough that each quantized linear would use its kernel
 rather than the dense path (`dense_from`, tuning.py): decodes, and also a request's several query
@@ -163,6 +164,9 @@ class DecodeStack:
             ptrs = [n.weight.data_ptr() for n in norms] + [None] * (4 - len(norms))
             layers.append(c_stack.Layer(*ptrs, *lins))  # caches and their scales: _point_at
             attns.append(a.attn)
+        if model.norm.eps != eps or model.norm.weight.dtype != torch.float32:
+            raise Unsupported("a final norm of another eps or dtype")
+        keep.append(model.norm.weight)
         mlp0 = first.mlp
         dims = c_stack.Dims(hidden=first.input_layernorm.weight.shape[0], hq=a0.num_heads, hkv=a0.num_kv_heads,
                      d=a0.head_dim, inter=mlp0.down_proj.in_features, block_size=0, kv_kind=0,
@@ -204,14 +208,12 @@ class DecodeStack:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
         """The final-norm hidden states [B, hidden] of a step `runs` accepted, as the model's forward
-        gives them: the embedding, every layer here in C, then the final norm."""
-        h, residual = self(self.model.embed_tokens(input_ids), positions, meta, self.model.rotary_emb)
-        h, _ = self.model.norm(h, residual)
-        return h
+        gives them: the embedding, then every layer and the final norm here in C."""
+        return self(self.model.embed_tokens(input_ids), positions, meta, self.model.rotary_emb)
 
-    def __call__(self, h: torch.Tensor, positions: torch.Tensor, meta: Any, rotary: Any
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run every layer on the embeddings h [B, hidden] (written in place); (hidden, residual)."""
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, meta: Any, rotary: Any) -> torch.Tensor:
+        """Run every layer and the final norm on the embeddings h [B, hidden] (written in place): the
+        final-norm hidden states, as the model's norm(hidden, residual) gives them."""
         b = h.shape[0]
         h = h.contiguous()
         res = torch.empty_like(h)
@@ -221,8 +223,9 @@ class DecodeStack:
         self.lib.decode_stack(ctypes.addressof(self.layers), len(self.layers), ctypes.addressof(self.dims), b,
                               h.data_ptr(), res.data_ptr(), rotary.cos_cache.data_ptr(),
                               rotary.sin_cache.data_ptr(), pos.data_ptr(), slots.data_ptr(), tables.data_ptr(),
-                              tables.shape[1], lens.data_ptr(), max(meta.seq_lens), torch.get_num_threads())
-        return h, res
+                              tables.shape[1], lens.data_ptr(), max(meta.seq_lens),
+                              self.model.norm.weight.data_ptr(), torch.get_num_threads())
+        return h
 
     @staticmethod
     def _rows(meta: Any, b: int) -> tuple[torch.Tensor, torch.Tensor]:

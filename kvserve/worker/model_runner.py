@@ -340,7 +340,8 @@ class ModelRunner:
         sample_ids, sample_rows, plp = self._rows_to_compute(order, so.num_scheduled_tokens, req_rows, drafts)
         rows = sample_rows + [r for _, rs, _ in plp for r in rs]
         if rows and hidden is not None:
-            logits = self.model.compute_logits(hidden[self._to_device(torch.tensor(rows))])
+            every = len(rows) == hidden.shape[0] and rows == list(range(len(rows)))  # a decode step: no gather
+            logits = self.model.compute_logits(hidden if every else hidden[self._to_device(torch.tensor(rows))])
             if self.is_output_rank:  # the logits' all-gather needed every tensor-parallel rank
                 plain = [r for r in sample_ids if r not in drafts]
                 spec = [r for r in sample_ids if r in drafts]

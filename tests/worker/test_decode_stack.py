@@ -172,8 +172,8 @@ def test_caches_it_cannot_use_leave_it_pointing_at_the_runners(tiny_model_factor
 def test_verify_rows_equal_one_token_steps(tiny_model_factory, monkeypatch):
     """Speculative decoding's verify steps run here, each query token a decode row seeing the
     context up to itself: with drafts that are the plain run's own tokens (all kept), the layers'
-    output for every position is the plain run's one-token step's bit for bit, though most came
-    from verify rows. (The final norm, LM head and log-softmax after the stack are torch's, over
+    output (after the final norm) for every position is the plain run's one-token step's bit for
+    bit, though most came from verify rows. (The LM head and log-softmax after the stack run over
     however many rows the step has: logprobs are held to the ulps bound, tokens exactly.)"""
     spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
     llm = _llm(tiny_model_factory("llama"), quantization="int8", speculative_config=spec)
@@ -187,7 +187,7 @@ def test_verify_rows_equal_one_token_steps(tiny_model_factory, monkeypatch):
         out = orig(self, h, positions, meta, rotary)
         rows = seen.setdefault(run[0], {})
         for i, pos in enumerate(positions.tolist()):
-            rows[pos] = out[0][i].clone()
+            rows[pos] = out[i].clone()
         rows.setdefault("rows", []).append(h.shape[0])
         return out
 

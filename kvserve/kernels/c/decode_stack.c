@@ -109,12 +109,14 @@ static void lin_run(const Lin *L, const float *x, int64_t m, float *y, int64_t l
     if (L->rest) lin_run(L->rest, x, m, y + L->n, ldy, xs, xq);
 }
 
-/* Layers [0, nlayers) for B decode tokens. h [B, hidden]: in, the embeddings; out, the last layer's
-   MLP output, with res [B, hidden] its residual. cos / sin: [max_pos, d / 2] tables, pos [B];
+/* Layers [0, nlayers) and the final norm (weight final_norm) for B decode tokens. h [B, hidden]: in,
+   the embeddings; out, the final norm of the last layer's output plus its residual, which res
+   [B, hidden] holds. cos / sin: [max_pos, d / 2] tables, pos [B];
    slots [B]; tables [B, ts] block ids; lens [B] sequence lengths including this token. */
 void decode_stack(const Layer *layers, int64_t nlayers, const Dims *dm, int64_t B, float *h, float *res,
                   const float *cos_, const float *sin_, const int64_t *pos, const int64_t *slots,
-                  const int64_t *tables, int64_t ts, const int64_t *lens, int64_t max_len, int nthreads) {
+                  const int64_t *tables, int64_t ts, const int64_t *lens, int64_t max_len, const float *final_norm,
+                  int nthreads) {
     const int64_t H = dm->hidden, d = dm->d, qs = dm->hq * d, kvs = dm->hkv * d, wq = qs + 2 * kvs, I = dm->inter;
     const int64_t width = dm->hkv * d, g = dm->hq / dm->hkv, spans = (I + SILU_SPAN - 1) / SILU_SPAN;
     float *x = malloc(sizeof(float) * B * H), *qkv = malloc(sizeof(float) * B * wq);
@@ -174,6 +176,9 @@ void decode_stack(const Layer *layers, int64_t nlayers, const Dims *dm, int64_t 
             }
             lin_run(&L->down, act, B, h, H, xs, xq);
         }
+        #pragma omp for schedule(static)  /* the model's final norm, into h */
+        for (int64_t t = 0; t < B; ++t)
+            norm_row(h + t * H, res + t * H, res + t * H, final_norm, h + t * H, H, dm->eps);
         free(rows); free(buf); free(scores);
     }
     free(x); free(qkv); free(attn); free(gu); free(act); free(xs); free(xq);
