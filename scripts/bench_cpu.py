@@ -3,7 +3,7 @@ one run on one machine, decode judged as a share of the measured memory read ban
 
     .venv/bin/python scripts/bench_cpu.py [--model FILE.gguf] [--llama-python PATH]
         [--configs default,f32,bf16,none-f32,...] [--decode-tokens 128] [--prefill 512,2048]
-        [--threads 2] [--rounds 1] [--out FILE.json] [--ppl]
+        [--threads 2] [--rounds 1] [--paired N] [--out FILE.json] [--ppl]
 
 - --model: any llama-architecture GGUF (default: the embedded default model), e.g. one written by
   scripts/make_random_gguf.py (random weights with TinyLlama-1.1B's or Llama-3.2-3B's shapes).
@@ -30,6 +30,13 @@ K/V of the context at the middle of the decode (kvserve in its KV dtype, llama.c
 share = bytes per token x decode-only tok/s / the read bandwidth (kvserve.kernels.bandwidth:
 a streaming read with --threads threads, measured before each round; the best of those readings,
 since a neighbour's load during one only lowers it).
+
+--paired N (with --llama-python): after the rounds, every configuration and llama.cpp loaded once,
+side by side in resident processes, and N decode replies each taken in turns (ABBA), so the two
+replies a ratio compares are seconds apart instead of a round's minute; the ratios are the median
+over the N passes. (On a 2-vCPU VM whose read bandwidth moved between 26 and 54 GB/s, paired ratios
+still spread over 0.89-1.33 in 12 passes: the machine's speed moves within seconds too. Take N of
+12 or more and read the median; the idle engines' threads sleep, measured at 0.01 CPU-s in 5 s.)
 
 --ppl: what int8 activations cost in perplexity on the default model. Every quantized linear is
 forced through the blocks kernel at every batch size (prefill included), with float32 and then
@@ -73,15 +80,13 @@ def run_kvserve(spec: dict) -> dict:
     n = spec["decode_tokens"]
     llm = LLM(model=spec["model"], enable_prefix_caching=False, **spec["kwargs"])
     greedy = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    warm = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
     decode, decode_only = [], []
     for _ in range(3):
-        t = time.perf_counter()
-        out = llm.generate([PROMPT], greedy, use_tqdm=False)[0]
-        decode.append(n / (time.perf_counter() - t))
-        m = out.metrics
-        if m is not None and m.first_token_time and m.last_token_time and m.last_token_time > m.first_token_time:
-            decode_only.append((n - 1) / (m.last_token_time - m.first_token_time))
+        rate, only = kvserve_decode(llm, greedy)
+        decode.append(rate)
+        if only is not None:
+            decode_only.append(only)
     prefill = {}
     for length in spec["prefill"]:
         ids = spec["ids"][:length]
@@ -94,9 +99,35 @@ def run_kvserve(spec: dict) -> dict:
     info = llm.stats()
     return {"decode_tok_s": statistics.median(decode), "decode_runs": decode,
             "decode_only_tok_s": statistics.median(decode_only) if decode_only else None,
-            "prompt_tokens": len(out.prompt_token_ids), "prefill": prefill,
+            "prompt_tokens": len(warm.prompt_token_ids), "prefill": prefill,
             "dtype": str(llm.engine.dtype).removeprefix("torch."), "quantization": info.get("quantization"),
             "weight_bytes": info["weight_bytes"], "kv_bytes_per_element": KV_BYTES.get(info["kv_cache_dtype"], 4)}
+
+
+def kvserve_decode(llm, greedy) -> tuple[float, float | None]:
+    """One greedy reply of greedy.max_tokens tokens: (tok/s over the request, decode-only tok/s)."""
+    n = greedy.max_tokens
+    t = time.perf_counter()
+    out = llm.generate([PROMPT], greedy, use_tqdm=False)[0]
+    rate = n / (time.perf_counter() - t)
+    m = out.metrics
+    if m is not None and m.first_token_time and m.last_token_time and m.last_token_time > m.first_token_time:
+        return rate, (n - 1) / (m.last_token_time - m.first_token_time)
+    return rate, None
+
+
+def llama_decode(llm, toks: list[int], n: int) -> tuple[float, float | None]:
+    """One greedy reply of n tokens from llama.cpp: (tok/s over the request, decode-only tok/s)."""
+    llm.reset()
+    t = time.perf_counter()
+    count, first = 0, None
+    for _tok in llm.generate(toks, top_k=1, temp=0.0):
+        count += 1
+        first = first or time.perf_counter()
+        if count == n:
+            break
+    end = time.perf_counter()
+    return count / (end - t), (count - 1) / (end - first) if count > 1 else None
 
 
 def run_llama_cpp(spec: dict) -> dict:
@@ -108,18 +139,10 @@ def run_llama_cpp(spec: dict) -> dict:
     toks = llm.tokenize(PROMPT.encode())
     decode, decode_only = [], []
     for _ in range(4):  # the first run warms up and is dropped
-        llm.reset()
-        t = time.perf_counter()
-        count, first = 0, None
-        for _tok in llm.generate(toks, top_k=1, temp=0.0):
-            count += 1
-            first = first or time.perf_counter()
-            if count == n:
-                break
-        end = time.perf_counter()
-        decode.append(count / (end - t))
-        if count > 1:
-            decode_only.append((count - 1) / (end - first))
+        rate, only = llama_decode(llm, toks, n)
+        decode.append(rate)
+        if only is not None:
+            decode_only.append(only)
     prefill = {}
     for length in spec["prefill"]:
         runs = []
@@ -153,8 +176,36 @@ def run_ppl() -> dict:
     return out
 
 
+def _resident(spec: dict) -> None:
+    """--paired's child: load the engine, warm it up, print READY, then one greedy reply per
+    "decode" line on stdin (a RESULT line each) until stdin closes."""
+    n = spec["decode_tokens"]
+    if spec["kind"] == "llama.cpp":
+        from llama_cpp import Llama
+
+        llm = Llama(model_path=spec["model"], n_threads=spec["threads"], n_threads_batch=spec["threads"],
+                    n_ctx=spec["n_ctx"], n_batch=512, verbose=False, seed=0)
+        toks = llm.tokenize(PROMPT.encode())
+        once = lambda: llama_decode(llm, toks, n)  # noqa: E731
+    else:
+        from kvserve import LLM, SamplingParams
+
+        llm = LLM(model=spec["model"], enable_prefix_caching=False, **spec["kwargs"])
+        greedy = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        once = lambda: kvserve_decode(llm, greedy)  # noqa: E731
+    once()
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "decode":
+            break
+        rate, only = once()
+        print("RESULT " + json.dumps({"decode_tok_s": rate, "decode_only_tok_s": only}), flush=True)
+
+
 def _child(args: argparse.Namespace) -> None:
     spec = json.loads(args.child)
+    if spec.get("resident"):
+        return _resident(spec)
     if spec["kind"] == "ppl":
         result = run_ppl()
     elif spec["kind"] == "llama.cpp":
@@ -171,6 +222,66 @@ def _run(python: str, spec: dict, env: dict) -> dict:
     if out.returncode or not lines:
         raise RuntimeError(f"{spec.get('kind', 'kvserve')} failed:\n{out.stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT "):])
+
+
+class Resident:
+    """An engine loaded once in its own process (_resident), asked for one reply at a time."""
+
+    def __init__(self, python: str, spec: dict, env: dict) -> None:
+        self.kind = spec["kind"]
+        self.proc = subprocess.Popen([python, os.path.abspath(__file__), "--child", json.dumps({**spec, "resident": 1})],
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True)
+        self._expect("READY")
+
+    def _expect(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):]
+        raise RuntimeError(f"{self.kind}: the resident process ended (exit {self.proc.wait()})")
+
+    def decode(self) -> dict:
+        self.proc.stdin.write("decode\n")
+        self.proc.stdin.flush()
+        return json.loads(self._expect("RESULT "))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def measure_paired(args: argparse.Namespace, configs: list[str], common: dict, env: dict) -> dict:
+    """--paired N: every configuration and llama.cpp loaded once, side by side in their own
+    processes, then N replies each, taken in turns (ABBA: each pass runs the engines in the
+    reverse order of the one before), so two replies compared are seconds apart rather than a
+    round's minute: the ratios are the median over the N passes of each configuration's reply
+    over llama.cpp's in the same pass. The idle engines wait (their threads sleep); they hold
+    memory, not cores."""
+    n_ctx = 64 + args.decode_tokens + 64
+    engines = {name: Resident(sys.executable, {"kind": "kvserve", "kwargs": CONFIGS[name][0], **common},
+                              {**env, **CONFIGS[name][1]}) for name in configs}
+    engines["llama.cpp"] = Resident(args.llama_python, {"kind": "llama.cpp", "threads": args.threads,
+                                                         "n_ctx": n_ctx, **common}, env)
+    passes: list[dict[str, dict]] = []
+    try:
+        names = list(engines)
+        for i in range(args.paired):
+            one = {}
+            for name in (names if i % 2 == 0 else names[::-1]):
+                one[name] = engines[name].decode()
+            passes.append(one)
+            print(f"pass {i + 1}/{args.paired}: " + ", ".join(
+                f"{name} {r['decode_only_tok_s']:.1f}" for name, r in one.items()) + " decode-only tok/s", flush=True)
+    finally:
+        for e in engines.values():
+            e.close()
+    out: dict = {"passes": passes, "medians": {}, "vs_llama_cpp": {}}
+    for name in engines:
+        out["medians"][name] = {key: _median([p[name][key] for p in passes]) for key in RATED}
+    for name in configs:
+        out["vs_llama_cpp"][name] = {key: _median([p[name][key] / p["llama.cpp"][key] for p in passes
+                                                   if p[name][key] and p["llama.cpp"][key]]) for key in RATED}
+    return out
 
 
 def model_geometry(path: str) -> dict:
@@ -258,6 +369,16 @@ def print_table(results: dict) -> None:
         for name, q in ratios.items():
             print(f"{'kvserve ' + name:44s} {_fmt(q['decode_tok_s'], '12.2f')} {_fmt(q['decode_only_tok_s'], '11.2f')}"
                   + "".join(f" {_fmt(q['prefill'][str(n)], '13.2f')}" for n in lengths), flush=True)
+    paired = results.get("paired")
+    if paired:
+        print(f"\n{'paired replies (median of ' + str(len(paired['passes'])) + ' passes)':44s} {'decode':>12s} "
+              f"{'decode-only':>11s}")
+        for name, m in paired["medians"].items():
+            label = name if name == "llama.cpp" else f"kvserve {name}"
+            print(f"{label:44s} {_fmt(m['decode_tok_s'], '12.1f')} {_fmt(m['decode_only_tok_s'], '11.1f')}")
+        for name, q in paired["vs_llama_cpp"].items():
+            print(f"{'x llama.cpp: kvserve ' + name:44s} {_fmt(q['decode_tok_s'], '12.2f')} "
+                  f"{_fmt(q['decode_only_tok_s'], '11.2f')}", flush=True)
 
 
 def main() -> None:
@@ -270,6 +391,8 @@ def main() -> None:
     p.add_argument("--prefill", default="2048", help="prompt lengths, comma-separated (e.g. 512,2048)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every configuration and llama.cpp this many times, interleaved")
+    p.add_argument("--paired", type=int, default=0, metavar="N",
+                   help="then N decode replies per engine with every engine resident, in turns (needs --llama-python)")
     p.add_argument("--out", default=None, help="write every number as JSON")
     p.add_argument("--ppl", action="store_true", help="also measure int8 activations' perplexity cost")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -288,6 +411,8 @@ def main() -> None:
         p.error("--decode-tokens must be at least 2 and every --prefill length at least 1")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    if args.paired < 0 or args.paired and not args.llama_python:
+        p.error("--paired needs a count of at least 1 and --llama-python")
     results = measure_all(args, configs, lengths)
     print_table(results)
     if args.out:
@@ -356,6 +481,8 @@ def measure_all(args: argparse.Namespace, configs: list[str], lengths: list[int]
         results["rounds"] = rounds
     if args.llama_python:
         results["vs_llama_cpp"] = {name: ratio_to_llama(rounds, name, lengths) for name in configs}
+    if args.paired and args.llama_python:
+        results["paired"] = measure_paired(args, configs, common, env)
     if args.ppl:
         r = results["ppl"] = _run(sys.executable, {"kind": "ppl"}, env)
         print(f"perplexity, every linear through the blocks kernel: float32 activations {r['float32']:.4f}, "
