@@ -53,6 +53,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 PROMPT = "Tell me a story about a cat."
@@ -229,16 +230,18 @@ class Resident:
 
     def __init__(self, python: str, spec: dict, env: dict) -> None:
         self.kind = spec["kind"]
+        self.err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: loading bars cannot fill it and stall
         self.proc = subprocess.Popen([python, os.path.abspath(__file__), "--child", json.dumps({**spec, "resident": 1})],
-                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     text=True)
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True)
         self._expect("READY")
 
     def _expect(self, prefix: str) -> str:
         for line in self.proc.stdout:
             if line.startswith(prefix):
                 return line[len(prefix):]
-        raise RuntimeError(f"{self.kind}: the resident process ended (exit {self.proc.wait()})")
+        self.err.seek(0)
+        raise RuntimeError(f"{self.kind}: the resident process ended (exit {self.proc.wait()}):\n"
+                           f"{self.err.read()[-3000:]}")
 
     def decode(self) -> dict:
         self.proc.stdin.write("decode\n")
@@ -248,6 +251,7 @@ class Resident:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
+        self.err.close()
 
 
 def measure_paired(args: argparse.Namespace, configs: list[str], common: dict, env: dict) -> dict:
@@ -275,8 +279,14 @@ def measure_paired(args: argparse.Namespace, configs: list[str], common: dict, e
     finally:
         for e in engines.values():
             e.close()
+    return paired_summary(passes, configs)
+
+
+def paired_summary(passes: list[dict[str, dict]], configs: list[str]) -> dict:
+    """--paired's passes as each engine's median rates and each configuration's median ratio to
+    llama.cpp over the passes (a pass's replies against each other, never across passes)."""
     out: dict = {"passes": passes, "medians": {}, "vs_llama_cpp": {}}
-    for name in engines:
+    for name in passes[0]:
         out["medians"][name] = {key: _median([p[name][key] for p in passes]) for key in RATED}
     for name in configs:
         out["vs_llama_cpp"][name] = {key: _median([p[name][key] / p["llama.cpp"][key] for p in passes

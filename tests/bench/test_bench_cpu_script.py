@@ -52,3 +52,23 @@ def test_table_names_the_bandwidth_read_before_each_round(bench, capsys):
     out = capsys.readouterr().out
     assert "read bandwidth 37.2 GB/s (256 MiB, best of 10 reads) before each round: 30.1, 37.2" in out
     assert "kvserve default (float32, gguf)" in out and "(median of 2 rounds)" in out
+
+
+def test_paired_ratios_are_taken_within_each_pass(bench, capsys):
+    """--paired: a configuration's ratio is the median of its reply over llama.cpp's in the same
+    pass, not the ratio of the medians (a pass at a slow moment slows both)."""
+    def r(rate):
+        return {"decode_tok_s": rate, "decode_only_tok_s": rate + 1}
+    passes = [{"default": r(40.0), "llama.cpp": r(40.0)},   # 1.0
+              {"llama.cpp": r(20.0), "default": r(22.0)},   # 1.1 (a slow moment for both)
+              {"default": r(44.0), "llama.cpp": r(40.0)}]   # 1.1
+    out = bench.paired_summary(passes, ["default"])
+    assert out["vs_llama_cpp"]["default"]["decode_tok_s"] == pytest.approx(1.1)
+    assert out["medians"]["default"]["decode_tok_s"] == 40.0 and out["medians"]["llama.cpp"]["decode_tok_s"] == 40.0
+    assert out["vs_llama_cpp"]["default"]["decode_only_tok_s"] == pytest.approx(23 / 21)
+    results = {"cpu": "a CPU", "isa_level": "avx2", "flags": ["avx2"], "threads": 2, "bandwidth": None,
+               "geometry": {"file_bytes": 6e8}, "model": "m.gguf", "command": "bench", "prefill_lengths": [],
+               "runs": {}, "paired": out}
+    bench.print_table(results)
+    text = capsys.readouterr().out
+    assert "paired replies (median of 3 passes)" in text and "x llama.cpp: kvserve default" in text
