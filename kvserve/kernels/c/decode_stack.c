@@ -77,7 +77,9 @@ static void lin_rows(const Lin *L, int act, const float *x, int64_t m, float *y,
    slower) leaves pieces to the others instead of holding every thread at the barrier after it.
    The pieces are whole groups of 8 rows (an interleaved weight's group is one piece's); each
    costs one kernel call (int16 activations split into bytes again: ~K operations). */
+#ifndef LIN_PIECES_PER_THREAD
 #define LIN_PIECES_PER_THREAD 4
+#endif
 /* SiLU-mul's columns per piece of work (a multiple of every vector width, so each value is computed
    as in the whole row, ops.c's silu_mul). */
 #define SILU_SPAN 512

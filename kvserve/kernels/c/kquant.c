@@ -188,7 +188,9 @@ static inline __m256i kq_dot(__m256i lo, __m256i hi, const int16_t *xv) {
    GB/s at K = 8192, 27-28 -> 30-32 GB/s at K = 3072 (Zen 4, the variants alternating in one process).
    For the interleaved Q6_K (below), 113 MB from DRAM: 4 KB ahead 0.94x, 16 KB 0.93x of 8 KB's speed.
    Past the weight's end a prefetch is a no-op. */
+#ifndef KQ_AHEAD
 #define KQ_AHEAD 8192
+#endif
 static inline void kq_prefetch(const uint8_t *blk) {
     for (int o = 0; o < 256; o += 64) _mm_prefetch((const char *)blk + KQ_AHEAD + o, _MM_HINT_T1);
 }

@@ -125,7 +125,9 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
    multiplied (~4 rows of a 2048-wide 4-bit weight) keeps more DRAM reads in flight than the
    hardware prefetcher does alone: +10-18% GB/s from DRAM on Zen 3 (interleaved A/B, 11264x2048
    Q4_0 weights ten times the L3). Past the weight's end a prefetch is a no-op, never a fault. */
+#ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 4096
+#endif
 /* The interleaved decode kernels ask for those bytes into L2 (T1), not L1: 1.1B Q4_K_M decode 41.4 /
    43.6 / 43.3 -> 46.7 / 44.9 / 48.5 tok/s, Q4_0 48.5 / 43.0 / 45.9 -> 48.8 / 45.9 / 47.5 (Zen 4, the
    builds alternating process by process); standalone, Q4_K groups from DRAM +3-10%. And from
@@ -133,7 +135,9 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
    two builds alternating in one process (Zen 4): Q4_0's form +4% and +14% (two sittings), Q4_K's
    factored +10%; under the AVX2 build +2-3%. 6, 16 and 32 KB measured as 8 (2 KB: -19%). */
 #define IL_HINT _MM_HINT_T1
+#ifndef IL_AHEAD  /* (scripts/ab_decode_stack.py may set it) */
 #define IL_AHEAD 8192
+#endif
 static inline void prefetch_ahead(const uint8_t *row, int64_t row_bytes) {
     for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)row + PREFETCH_AHEAD + o, _MM_HINT_T0);
 }
