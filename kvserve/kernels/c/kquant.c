@@ -148,8 +148,7 @@ static void kq_decode(int64_t qtype, const uint8_t *blk, uint8_t q[256], float s
 #define KQ_POS(j) (j)
 #endif
 
-/* x [M, K] (row stride ldx) -> xq int16 [M, K], xd [M, K/32], xh [M, K/16] (see the top). */
-/* Block i (of M x K / 32) of x as kq_quantize writes it: the decode stack's threads share a call's blocks. */
+/* Block i (of M x K / 32) of kq_quantize's output: the decode stack's threads share a call's blocks. */
 static inline void kq_quantize_block(const float *x, int64_t ldx, int64_t K, int16_t *xq, float *xd, float *xh,
                                      int64_t i) {
     const int64_t nb = K / 32, m = i / nb, b = i % nb;
@@ -170,6 +169,7 @@ static inline void kq_quantize_block(const float *x, int64_t ldx, int64_t K, int
     xh[2 * i] = -32.f * (float)h0;
     xh[2 * i + 1] = -32.f * (float)h1;
 }
+/* x [M, K] (row stride ldx) -> xq int16 [M, K], xd [M, K/32], xh [M, K/16] (see the top). */
 static void kq_quantize(const float *x, int64_t ldx, int64_t M, int64_t K, int16_t *xq, float *xd, float *xh,
                         int nthreads) {
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)

@@ -28,11 +28,12 @@ static inline void codes_of(const uint8_t *wr, int64_t b, int bits, int8_t *out)
     }
 }  /* tokens per pass over a weight row: its blocks are decoded once per TILE tokens */
 
-/* Per token and 32-value block: integer codes (int8: qmax 127, or int16: qmax 32767, 256 times
-   finer, so a product's error is ~1e-5 of its size), scale xd = amax / qmax, the exact float sum
-   xs, and xk = -8 xd sum(codes): what centring 4-bit codes (nibble - 8) subtracts, so the kernel
-   can multiply the nibbles as they are (unsigned, as maddubs takes them) in the same integer math. */
-/* Block i (of M x K / 32) of x as quantize_codes writes it: the decode stack's threads share a call's blocks. */
+/* Block i (of M x K / 32; token i / (K / 32)) of x [M, K] (row stride ldx): integer codes (int8:
+   qmax 127, or int16: qmax 32767, 256 times finer, so a product's error is ~1e-5 of its size),
+   scale xd = amax / qmax, the exact float sum xs, and xk = -8 xd sum(codes): what centring 4-bit
+   codes (nibble - 8) subtracts, so the kernel can multiply the nibbles as they are (unsigned, as
+   maddubs takes them) in the same integer math. Blocks are independent: callers share them
+   between threads (prepare_act's loop, the decode stack's). */
 static inline void quantize_block(const float *x, int64_t ldx, int64_t K, void *xq, int qmax, float *xd, float *xs,
                                   float *xk, int64_t i) {
     const int64_t nb = K / 32, m = i / nb, b = i % nb;
@@ -53,11 +54,6 @@ static inline void quantize_block(const float *x, int64_t ldx, int64_t K, void *
     xd[i] = d;
     xs[i] = sum;
     xk[i] = -8.f * d * (float)isum;
-}
-static void quantize_codes(const float *x, int64_t ldx, int64_t M, int64_t K, void *xq, int qmax, float *xd,
-                           float *xs, float *xk, int nthreads) {
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
-    for (int64_t i = 0; i < M * (K / 32); ++i) quantize_block(x, ldx, K, xq, qmax, xd, xs, xk, i);
 }
 
 /* x [M, K] (row stride ldx) as int8 codes packed for il8_tile / il8b_tile (flip): quantize_runs's
@@ -318,7 +314,7 @@ static void qgemm_panels(int bits, const uint8_t *wq, const float *wd, const flo
         }
     }
 }
-/* The same with int8 activations (quantize_codes' xq / xd / xs / xk of the one token). */
+/* The same with int8 activations (quantize_block's xq / xd / xs / xk of the one token). */
 static inline __m256i int8_block(const uint8_t *wr, int64_t b, int bits, const int8_t *xq) {
     const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
     if (bits == 4) return dot_u8s8(unpack_q4(wr + b * 16), xv);
@@ -904,7 +900,7 @@ static void il_unpack(int bits, const uint8_t *wq, const float *wd, const float 
     }
 }
 
-/* y[m, n] (row stride ldy) for rows n in [n0, n1), x given as quantize_codes' int16 xq / xd / xs / xk. */
+/* y[m, n] (row stride ldy) for rows n in [n0, n1), x given as quantize_block's int16 xq / xd / xs / xk. */
 static void qgemm_int16act(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t K,
                            const int16_t *xq, const float *xd, const float *xs, const float *xk, int64_t M, float *y,
                            int64_t ldy, int64_t n0, int64_t n1) {
@@ -945,7 +941,7 @@ static void qgemm_int16act(int bits, const uint8_t *wq, const float *wd, const f
 }
 
 /* y[m, n] (row stride ldy) = sum_k x[m, k] w[n, k] for rows n in [n0, n1), x given as
-   quantize_codes' xq / xd / xs. */
+   quantize_block's xq / xd / xs. */
 static void qgemm_int8act(int bits, const uint8_t *wq, const float *wd, const float *wc, int64_t K,
                    const int8_t *xq, const float *xd, const float *xs, const float *xk, int64_t M, float *y,
                    int64_t ldy, int64_t n0, int64_t n1) {
@@ -1058,7 +1054,7 @@ static float *scale_scratch(size_t n) {
     return buf;
 }
 
-/* Activations: exact floats, or int8 / int16 codes per 32-value block (quantize_codes). */
+/* Activations: exact floats, or int8 / int16 codes per 32-value block (quantize_block). */
 enum { ACT_FLOAT = 0, ACT_INT8 = 1, ACT_INT16 = 2 };
 /* Or'ed into `bits`: the scales d are float16 [N, K/32] (a GGUF Q4_0 / Q8_0 scale is one, exactly):
    a 4-bit weight then takes 18 bytes per 32 weights, as in the file, instead of 20. */
@@ -1550,25 +1546,26 @@ static inline int act_for(int act, int bits, int64_t M) {
 static inline size_t act_bytes(int act, int64_t M, int64_t K) {
     return act == ACT_FLOAT ? 0 : (size_t)(M * K) * (act == ACT_INT16 ? 2 : 1) + (act == ACT_INT8 ? 12 * (size_t)(M * K / 32) : 0);
 }
-/* x's side of the product with a weight of kind `bits`: block sums xs [M, K/32] (floats), or int
-   codes xq with sums, scales and centring terms in xs [3, M, K/32], or, for the interleaved int8
-   kernels (packed_int8), xq as quantize_packed writes it (xq sized by act_bytes). */
-/* Whether prepare_act quantizes x block by block (quantize_codes): then prepare_block(i) for each i
-   < M K / 32 writes what it would, and a caller's threads can share the blocks (the decode stack). */
+/* Whether prepare_act quantizes x block by block: then prepare_block(i) for each i < M K / 32
+   writes what it does (int codes in xq; scales, sums and centring terms in xs [3, M, K/32]), and a
+   caller's threads can share the blocks (the decode stack). */
 static inline int act_by_blocks(int act, int bits) { return act != ACT_FLOAT && !packed_int8(act, bits); }
 static inline void prepare_block(int act, const float *x, int64_t ldx, int64_t M, int64_t K, void *xq, float *xs,
                                  int64_t i) {
     const int64_t nb = K / 32;
     quantize_block(x, ldx, K, xq, act == ACT_INT8 ? 127 : 32767, xs + M * nb, xs, xs + 2 * M * nb, i);
 }
+/* x's side of the product with a weight of kind `bits`: block sums xs [M, K/32] (floats), or int
+   codes xq with sums, scales and centring terms in xs [3, M, K/32] (prepare_block), or, for the
+   interleaved int8 kernels (packed_int8), xq as quantize_packed writes it (xq sized by act_bytes). */
 static void prepare_act(int act, int bits, const float *x, int64_t ldx, int64_t M, int64_t K, void *xq, float *xs,
                         int nthreads) {
-    const int64_t nb = K / 32;
     if (packed_int8(act, bits))
         quantize_packed(x, ldx, M, K, (int8_t *)xq, (bits & ~(HALF_SCALES | INTERLEAVED | KSCALES)) == 8, nthreads);
-    else if (act != ACT_FLOAT)
-        quantize_codes(x, ldx, M, K, xq, act == ACT_INT8 ? 127 : 32767, xs + M * nb, xs, xs + 2 * M * nb, nthreads);
-    else block_sums(x, ldx, M, K, xs);
+    else if (act != ACT_FLOAT) {
+        #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
+        for (int64_t i = 0; i < M * (K / 32); ++i) prepare_block(act, x, ldx, M, K, xq, xs, i);
+    } else block_sums(x, ldx, M, K, xs);
 }
 
 /* y = x @ W.T for float32 x [M, K] (row stride ldx); bits may carry HALF_SCALES. ACT_INT8 /
