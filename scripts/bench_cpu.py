@@ -37,6 +37,12 @@ replies a ratio compares are seconds apart instead of a round's minute; the rati
 over the N passes. (On a 2-vCPU VM whose read bandwidth moved between 26 and 54 GB/s, paired ratios
 still spread over 0.89-1.33 in 12 passes: the machine's speed moves within seconds too. Take N of
 12 or more and read the median; the idle engines' threads sleep, measured at 0.01 CPU-s in 5 s.)
+Each pass also times a plain streaming read of the weight bytes a decode token reads (every tensor
+but an untied token table, of which a token reads one row) with the same threads
+(kvserve.kernels.bandwidth, median of 3 reads) as a third resident process: the tokens per second a
+decode would reach if a token cost nothing but reading its weights once. Every engine's reply is
+also given as a share of that read in the same pass (`x pure read`): how far each is from the
+memory's limit at that moment, and so what ratio between the two engines the memory leaves room for.
 
 --ppl: what int8 activations cost in perplexity on the default model. Every quantized linear is
 forced through the blocks kernel at every batch size (prefill included), with float32 and then
@@ -181,7 +187,14 @@ def _resident(spec: dict) -> None:
     """--paired's child: load the engine, warm it up, print READY, then one greedy reply per
     "decode" line on stdin (a RESULT line each) until stdin closes."""
     n = spec["decode_tokens"]
-    if spec["kind"] == "llama.cpp":
+    if spec["kind"] == "read":
+        from kvserve.kernels import bandwidth
+
+        def once() -> tuple[float, float]:
+            m = bandwidth.measure(spec["threads"], spec["bytes"], reps=3)
+            rate = 1.0 / statistics.median(m["seconds"])  # tokens/s if a token were one read of the weights
+            return rate, rate
+    elif spec["kind"] == "llama.cpp":
         from llama_cpp import Llama
 
         llm = Llama(model_path=spec["model"], n_threads=spec["threads"], n_threads_batch=spec["threads"],
@@ -266,6 +279,8 @@ def measure_paired(args: argparse.Namespace, configs: list[str], common: dict, e
                               {**env, **CONFIGS[name][1]}) for name in configs}
     engines["llama.cpp"] = Resident(args.llama_python, {"kind": "llama.cpp", "threads": args.threads,
                                                          "n_ctx": n_ctx, **common}, env)
+    engines[READ] = Resident(sys.executable, {"kind": "read", "threads": args.threads,
+                                              "bytes": model_geometry(common["model"])["decode_bytes"], **common}, env)
     passes: list[dict[str, dict]] = []
     try:
         names = list(engines)
@@ -282,15 +297,24 @@ def measure_paired(args: argparse.Namespace, configs: list[str], common: dict, e
     return paired_summary(passes, configs)
 
 
+READ = "pure read"  # --paired's streaming read of the weight bytes, a rate like an engine's
+
+
 def paired_summary(passes: list[dict[str, dict]], configs: list[str]) -> dict:
-    """--paired's passes as each engine's median rates and each configuration's median ratio to
-    llama.cpp over the passes (a pass's replies against each other, never across passes)."""
-    out: dict = {"passes": passes, "medians": {}, "vs_llama_cpp": {}}
+    """--paired's passes as each engine's median rates, each configuration's median ratio to
+    llama.cpp and each engine's to the pure read (when the passes have one) over the passes (a
+    pass's replies against each other, never across passes)."""
+    out: dict = {"passes": passes, "medians": {}, "vs_llama_cpp": {}, "vs_read": {}}
+
+    def ratio(name: str, base: str) -> dict:
+        return {key: _median([p[name][key] / p[base][key] for p in passes if p[name][key] and p[base][key]])
+                for key in RATED}
     for name in passes[0]:
         out["medians"][name] = {key: _median([p[name][key] for p in passes]) for key in RATED}
     for name in configs:
-        out["vs_llama_cpp"][name] = {key: _median([p[name][key] / p["llama.cpp"][key] for p in passes
-                                                   if p[name][key] and p["llama.cpp"][key]]) for key in RATED}
+        out["vs_llama_cpp"][name] = ratio(name, "llama.cpp")
+    if READ in passes[0]:
+        out["vs_read"] = {name: ratio(name, READ)["decode_only_tok_s"] for name in passes[0] if name != READ}
     return out
 
 
@@ -301,7 +325,11 @@ def model_geometry(path: str) -> dict:
     reader = open_gguf(path)
     cfg = gguf_config(reader, path)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return {"tensor_bytes": sum(int(t.n_bytes) for t in reader.tensors), "file_bytes": os.path.getsize(path),
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    # a decode token reads one row of the token table, unless the table is the LM head too (tied)
+    table = sizes.get("token_embd.weight", 0) if "output.weight" in sizes else 0
+    return {"tensor_bytes": sum(sizes.values()), "decode_bytes": sum(sizes.values()) - table,
+            "file_bytes": os.path.getsize(path),
             "layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads, "head_dim": head_dim,
             # K and V elements one token adds to every layer's cache
             "kv_elements_per_token": 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim}
@@ -384,11 +412,14 @@ def print_table(results: dict) -> None:
         print(f"\n{'paired replies (median of ' + str(len(paired['passes'])) + ' passes)':44s} {'decode':>12s} "
               f"{'decode-only':>11s}")
         for name, m in paired["medians"].items():
-            label = name if name == "llama.cpp" else f"kvserve {name}"
+            label = name if name in ("llama.cpp", READ) else f"kvserve {name}"
             print(f"{label:44s} {_fmt(m['decode_tok_s'], '12.1f')} {_fmt(m['decode_only_tok_s'], '11.1f')}")
         for name, q in paired["vs_llama_cpp"].items():
             print(f"{'x llama.cpp: kvserve ' + name:44s} {_fmt(q['decode_tok_s'], '12.2f')} "
                   f"{_fmt(q['decode_only_tok_s'], '11.2f')}", flush=True)
+        for name, q in paired.get("vs_read", {}).items():
+            label = name if name == "llama.cpp" else f"kvserve {name}"
+            print(f"{'x pure read of the weights: ' + label:44s} {'':12s} {_fmt(q, '11.2f')}", flush=True)
 
 
 def main() -> None:

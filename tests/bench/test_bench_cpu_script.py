@@ -72,3 +72,51 @@ def test_paired_ratios_are_taken_within_each_pass(bench, capsys):
     bench.print_table(results)
     text = capsys.readouterr().out
     assert "paired replies (median of 3 passes)" in text and "x llama.cpp: kvserve default" in text
+
+
+def test_paired_shares_of_the_pure_read_are_taken_within_each_pass(bench, capsys):
+    """--paired's third process reads the weight bytes once per pass; each engine's reply is given
+    as a share of that read's rate in the same pass."""
+    def r(rate):
+        return {"decode_tok_s": rate, "decode_only_tok_s": rate}
+    passes = [{"default": r(40.0), "llama.cpp": r(36.0), bench.READ: r(50.0)},   # 0.80, 0.72
+              {bench.READ: r(40.0), "llama.cpp": r(30.0), "default": r(34.0)},   # 0.85, 0.75
+              {"default": r(45.0), "llama.cpp": r(40.0), bench.READ: r(50.0)}]   # 0.90, 0.80
+    out = bench.paired_summary(passes, ["default"])
+    assert out["vs_read"]["default"] == pytest.approx(0.85) and out["vs_read"]["llama.cpp"] == pytest.approx(0.75)
+    assert bench.READ not in out["vs_llama_cpp"] and bench.READ not in out["vs_read"]
+    results = {"cpu": "a CPU", "isa_level": "avx2", "flags": ["avx2"], "threads": 2, "bandwidth": None,
+               "geometry": {"file_bytes": 6e8}, "model": "m.gguf", "command": "bench", "prefill_lengths": [],
+               "runs": {}, "paired": out}
+    bench.print_table(results)
+    text = capsys.readouterr().out
+    assert "x pure read of the weights: kvserve default" in text and "x pure read of the weights: llama.cpp" in text
+    # without the read (older results), no shares
+    assert bench.paired_summary([{"default": r(1.0), "llama.cpp": r(1.0)}], ["default"])["vs_read"] == {}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_decode_bytes_leave_out_an_untied_token_table(bench, tmp_path, tied):
+    """A decode token reads one row of the token table, so the pure read leaves the table out,
+    unless the LM head is the table itself (tied: no output.weight)."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    for add, value in ((w.add_block_count, 1), (w.add_context_length, 64), (w.add_embedding_length, 32),
+                       (w.add_feed_forward_length, 64), (w.add_head_count, 2), (w.add_head_count_kv, 1),
+                       (w.add_layer_norm_rms_eps, 1e-5), (w.add_vocab_size, 16)):
+        add(value)
+    tensors = {"token_embd.weight": (16, 32), "blk.0.ffn_down.weight": (32, 64), "output_norm.weight": (32,)}
+    if not tied:
+        tensors["output.weight"] = (16, 32)
+    for name, shape in tensors.items():
+        w.add_tensor(name, np.zeros(shape, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    geo = bench.model_geometry(str(tmp_path / "m.gguf"))
+    total = 4 * sum(int(np.prod(s)) for s in tensors.values())
+    assert geo["tensor_bytes"] == total
+    assert geo["decode_bytes"] == (total if tied else total - 4 * 16 * 32)
