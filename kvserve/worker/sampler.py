@@ -21,8 +21,11 @@ _GREEDY_EPS = 1e-5
 # Slack when deciding whether a cumulative probability "reaches" top_p, so that
 # float32 rounding (0.5 + 0.3 -> 0.79999995) does not add an extra token.
 _TOP_P_EPS = 1e-6
-# Tokens ranked for top-p before falling back to sorting the whole vocabulary.
-_TOP_P_CANDIDATES = 1024
+# Tokens ranked for top-p, in stages: the rows whose nucleus the first stage does not hold are
+# ranked again over the next, and the whole vocabulary is sorted only for rows past the last. A
+# chat model's nucleus mostly fits in 64 tokens, and torch.topk of 64 costs a fifth of 1024's
+# (32 rows x 49,152: 1.3 ms against 6.9 on 2 Zen 4 cores; a full sort 55 ms).
+_TOP_P_CANDIDATES = (64, 1024)
 
 
 @dataclass
@@ -174,9 +177,10 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
 
     Both filters become a per-row logit threshold, so tokens tied with the last
     kept token are kept too rather than dropped by an arbitrary sort order.
-    Top-p only ranks a candidate set (the top-k, or the best
-    _TOP_P_CANDIDATES tokens); a full-vocabulary sort, which costs far more on
-    CPU, happens only when some row's nucleus reaches past the candidates.
+    Top-p only ranks a candidate set (the top-k, or the best tokens of each
+    _TOP_P_CANDIDATES stage in turn, for the rows the stage before did not
+    settle); a full-vocabulary sort, which costs far more on CPU, happens only
+    for rows whose nucleus reaches past the last stage.
     """
     if top_k is None and top_p is None:
         return logits
@@ -185,20 +189,23 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     if top_k is not None:
         enabled = top_k < vocab
         max_k = int(top_k[enabled].max()) if bool(enabled.any()) else 0
-    num_candidates = max_k
+    stages = [max_k]
     if top_p is not None:
         p_only = top_p < 1.0
         if top_k is not None:
             p_only &= top_k >= vocab
         if bool(p_only.any()):  # a nucleus not bounded by top-k may need many tokens
-            num_candidates = min(vocab, max(max_k, _TOP_P_CANDIDATES))
-    if num_candidates == 0:
+            stages = sorted({min(vocab, max(max_k, n)) for n in _TOP_P_CANDIDATES} | {vocab})
+    if stages[0] == 0:
         return logits
-    threshold, overflow = _filter_threshold(logits, top_k, top_p, num_candidates)
-    if overflow is not None and bool(overflow.any()):
-        rows = overflow.nonzero().squeeze(1)
-        threshold[rows] = _filter_threshold(logits[rows], None if top_k is None else top_k[rows],
-                                            top_p[rows], vocab)[0]
+    threshold, overflow = _filter_threshold(logits, top_k, top_p, stages[0])
+    rows = overflow.nonzero().squeeze(1) if overflow is not None and bool(overflow.any()) else None
+    for n in stages[1:]:  # the rows the smaller candidate set did not settle
+        if rows is None:
+            break
+        threshold[rows], overflow = _filter_threshold(logits[rows], None if top_k is None else top_k[rows],
+                                                      top_p[rows], n)
+        rows = rows[overflow] if overflow is not None and bool(overflow.any()) else None
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
@@ -247,31 +254,30 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tenso
     return logits.masked_fill(probs < cutoff, float("-inf"))
 
 
-def exponential_noise(like: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """q ~ Exp(1) of shape [B, V]: one batched draw for unseeded rows, one per seeded row.
+def uniforms(n: int, generators: dict[int, torch.Generator], device: torch.device | str = "cpu") -> torch.Tensor:
+    """u ~ U[0, 1) of shape [n], float64: one batched draw for unseeded rows, one per seeded row.
 
-    A seeded row consumes exactly V uniforms of its generator per step, so its
-    draws do not depend on the batch it sits in. q = -log(U) with U in [0, 1)
-    is never 0 (which would make p / q NaN for masked tokens) and draws much
-    faster than exponential_() on CPU.
-    """
-    q = torch.empty_like(like, dtype=torch.float32)
-    if not generators:
-        q.uniform_()
-    elif len(generators) < q.size(0):
-        unseeded = torch.ones(q.size(0), dtype=torch.bool)
-        unseeded[list(generators)] = False
-        rows = unseeded.nonzero().squeeze(1).to(q.device)
-        q[rows] = torch.rand(rows.numel(), q.size(1), device=q.device)
+    A seeded row consumes exactly one value of its generator per step, so its
+    draws do not depend on the batch it sits in."""
+    u = torch.rand(n, dtype=torch.float64, device=device)
     for row, gen in generators.items():
-        torch.rand(q.size(1), generator=gen, device=q.device, out=q[row])
-    return q.log_().neg_()
+        u[row] = torch.rand(1, dtype=torch.float64, generator=gen, device=device)[0]
+    return u
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Exponential race: argmax(p / q) with q ~ Exp(1) samples from p exactly."""
-    q = exponential_noise(probs, generators)
-    return row_argmax(probs / q)
+    """Inverse transform: with u ~ U[0, 1) per row, the first token whose cumulative probability
+    reaches u x the row's total, so token i is drawn with probability p_i / total exactly (up to
+    the float32 running sum's rounding). A token of probability 0 adds nothing to the sum and is
+    never reached; u x total is kept in (0, total] so neither end lands on one. One uniform per
+    row instead of the V an exponential race needs (a [32, 49,152] torch.rand took 4.5 ms; the
+    running sum and the search 0.8)."""
+    cdf = probs.float().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    u = uniforms(probs.size(0), generators, probs.device).unsqueeze(1)
+    target = (u * total.double()).float().clamp(min=torch.finfo(torch.float32).tiny)
+    target = torch.minimum(target, total)
+    return torch.searchsorted(cdf, target).squeeze(1).to(torch.int64)
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,

@@ -54,6 +54,14 @@ def test_table_names_the_bandwidth_read_before_each_round(bench, capsys):
     assert "kvserve default (float32, gguf)" in out and "(median of 2 rounds)" in out
 
 
+def _paired_table(bench, paired: dict, capsys) -> str:
+    """What print_table prints of a results file holding only --paired's summary."""
+    bench.print_table({"cpu": "a CPU", "isa_level": "avx2", "flags": ["avx2"], "threads": 2, "bandwidth": None,
+                       "geometry": {"file_bytes": 6e8}, "model": "m.gguf", "command": "bench", "prefill_lengths": [],
+                       "runs": {}, "paired": paired})
+    return capsys.readouterr().out
+
+
 def test_paired_ratios_are_taken_within_each_pass(bench, capsys):
     """--paired: a configuration's ratio is the median of its reply over llama.cpp's in the same
     pass, not the ratio of the medians (a pass at a slow moment slows both)."""
@@ -66,11 +74,7 @@ def test_paired_ratios_are_taken_within_each_pass(bench, capsys):
     assert out["vs_llama_cpp"]["default"]["decode_tok_s"] == pytest.approx(1.1)
     assert out["medians"]["default"]["decode_tok_s"] == 40.0 and out["medians"]["llama.cpp"]["decode_tok_s"] == 40.0
     assert out["vs_llama_cpp"]["default"]["decode_only_tok_s"] == pytest.approx(23 / 21)
-    results = {"cpu": "a CPU", "isa_level": "avx2", "flags": ["avx2"], "threads": 2, "bandwidth": None,
-               "geometry": {"file_bytes": 6e8}, "model": "m.gguf", "command": "bench", "prefill_lengths": [],
-               "runs": {}, "paired": out}
-    bench.print_table(results)
-    text = capsys.readouterr().out
+    text = _paired_table(bench, out, capsys)
     assert "paired replies (median of 3 passes)" in text and "x llama.cpp: kvserve default" in text
 
 
@@ -85,11 +89,7 @@ def test_paired_shares_of_the_pure_read_are_taken_within_each_pass(bench, capsys
     out = bench.paired_summary(passes, ["default"])
     assert out["vs_read"]["default"] == pytest.approx(0.85) and out["vs_read"]["llama.cpp"] == pytest.approx(0.75)
     assert bench.READ not in out["vs_llama_cpp"] and bench.READ not in out["vs_read"]
-    results = {"cpu": "a CPU", "isa_level": "avx2", "flags": ["avx2"], "threads": 2, "bandwidth": None,
-               "geometry": {"file_bytes": 6e8}, "model": "m.gguf", "command": "bench", "prefill_lengths": [],
-               "runs": {}, "paired": out}
-    bench.print_table(results)
-    text = capsys.readouterr().out
+    text = _paired_table(bench, out, capsys)
     assert "x pure read of the weights: kvserve default" in text and "x pure read of the weights: llama.cpp" in text
     # without the read (older results), no shares
     assert bench.paired_summary([{"default": r(1.0), "llama.cpp": r(1.0)}], ["default"])["vs_read"] == {}
