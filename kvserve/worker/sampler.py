@@ -254,30 +254,31 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tenso
     return logits.masked_fill(probs < cutoff, float("-inf"))
 
 
-def uniforms(n: int, generators: dict[int, torch.Generator], device: torch.device | str = "cpu") -> torch.Tensor:
-    """u ~ U[0, 1) of shape [n], float64: one batched draw for unseeded rows, one per seeded row.
+def exponential_noise(like: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """q ~ Exp(1) of shape [B, V]: one batched draw for unseeded rows, one per seeded row.
 
-    A seeded row consumes exactly one value of its generator per step, so its
-    draws do not depend on the batch it sits in."""
-    u = torch.rand(n, dtype=torch.float64, device=device)
+    A seeded row consumes exactly V uniforms of its generator per step, so its
+    draws do not depend on the batch it sits in. q = -log(U) with U in [0, 1)
+    is never 0 (which would make p / q NaN for masked tokens) and draws much
+    faster than exponential_() on CPU.
+    """
+    q = torch.empty_like(like, dtype=torch.float32)
+    if not generators:
+        q.uniform_()
+    elif len(generators) < q.size(0):
+        unseeded = torch.ones(q.size(0), dtype=torch.bool)
+        unseeded[list(generators)] = False
+        rows = unseeded.nonzero().squeeze(1).to(q.device)
+        q[rows] = torch.rand(rows.numel(), q.size(1), device=q.device)
     for row, gen in generators.items():
-        u[row] = torch.rand(1, dtype=torch.float64, generator=gen, device=device)[0]
-    return u
+        torch.rand(q.size(1), generator=gen, device=q.device, out=q[row])
+    return q.log_().neg_()
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Inverse transform: with u ~ U[0, 1) per row, the first token whose cumulative probability
-    reaches u x the row's total, so token i is drawn with probability p_i / total exactly (up to
-    the float32 running sum's rounding). A token of probability 0 adds nothing to the sum and is
-    never reached; u x total is kept in (0, total] so neither end lands on one. One uniform per
-    row instead of the V an exponential race needs (a [32, 49,152] torch.rand took 4.5 ms; the
-    running sum and the search 0.8)."""
-    cdf = probs.float().cumsum(dim=-1)
-    total = cdf[:, -1:]
-    u = uniforms(probs.size(0), generators, probs.device).unsqueeze(1)
-    target = (u * total.double()).float().clamp(min=torch.finfo(torch.float32).tiny)
-    target = torch.minimum(target, total)
-    return torch.searchsorted(cdf, target).squeeze(1).to(torch.int64)
+    """Exponential race: argmax(p / q) with q ~ Exp(1) samples from p exactly."""
+    q = exponential_noise(probs, generators)
+    return row_argmax(probs / q)
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,

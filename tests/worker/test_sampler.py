@@ -16,7 +16,6 @@ from kvserve.worker.sampler import (
     apply_penalties,
     apply_top_k_top_p,
     compute_prompt_logprobs,
-    random_sample,
 )
 
 CPU = torch.device("cpu")
@@ -213,34 +212,6 @@ def test_sampling_frequencies_match_probabilities():
     ids = Sampler()(logits_from_probs(probs).repeat(n, 1), build([SamplingParams()] * n, 4)).sampled_token_ids
     freq = torch.bincount(ids, minlength=4).float() / n
     assert freq.tolist() == pytest.approx(probs, abs=0.02)
-
-
-@pytest.mark.parametrize("u", [0.0, 1.0 - 2.0 ** -53, 0.5])
-def test_inverse_transform_never_draws_a_zero_probability_token(monkeypatch, u):
-    """u at either end of [0, 1) lands on the first or last token of positive probability, never
-    on a masked one before, between or after them."""
-    import kvserve.worker.sampler as sampler
-
-    probs = torch.tensor([[0.0, 0.0, 0.25, 0.0, 0.5, 0.25, 0.0, 0.0],
-                          [0.0, 1e-30, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
-    monkeypatch.setattr(sampler, "uniforms", lambda n, gens, device="cpu": torch.full((n,), u, dtype=torch.float64))
-    picked = random_sample(probs, {}).tolist()
-    assert all(probs[i, t] > 0 for i, t in enumerate(picked))
-    assert picked[0] == {0.0: 2, 0.5: 4}.get(u, 5)
-
-
-def test_inverse_transform_frequencies_with_masked_tokens_and_seeds():
-    """Each row's draws follow its own (unnormalised, partly masked) probabilities, seeded rows
-    included; a seeded row takes one uniform of its generator per step."""
-    n = 12000
-    probs = torch.tensor([0.0, 0.2, 0.0, 0.1, 0.3, 0.0, 0.4, 0.0]).repeat(n, 1) * 3.0
-    gens = {i: torch.Generator().manual_seed(i) for i in range(0, n, 2)}
-    freq = torch.bincount(random_sample(probs, gens), minlength=8).float() / n
-    assert freq.tolist() == pytest.approx([0.0, 0.2, 0.0, 0.1, 0.3, 0.0, 0.4, 0.0], abs=0.02)
-    g = torch.Generator().manual_seed(5)
-    random_sample(probs[:1], {0: g})
-    after_one = torch.rand(1, dtype=torch.float64, generator=g)
-    assert after_one == torch.rand(2, dtype=torch.float64, generator=torch.Generator().manual_seed(5))[1]
 
 
 # --------------------------------------------------------------------------- penalties
