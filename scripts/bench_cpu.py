@@ -267,20 +267,20 @@ class Resident:
         self.err.close()
 
 
-def measure_paired(args: argparse.Namespace, configs: list[str], common: dict, env: dict) -> dict:
+def measure_paired(args: argparse.Namespace, configs: list[str], common: dict, env: dict, geo: dict) -> dict:
     """--paired N: every configuration and llama.cpp loaded once, side by side in their own
     processes, then N replies each, taken in turns (ABBA: each pass runs the engines in the
     reverse order of the one before), so two replies compared are seconds apart rather than a
     round's minute: the ratios are the median over the N passes of each configuration's reply
     over llama.cpp's in the same pass. The idle engines wait (their threads sleep); they hold
-    memory, not cores."""
+    memory, not cores. A third process reads geo's decode bytes each pass (the pure read)."""
     n_ctx = 64 + args.decode_tokens + 64
     engines = {name: Resident(sys.executable, {"kind": "kvserve", "kwargs": CONFIGS[name][0], **common},
                               {**env, **CONFIGS[name][1]}) for name in configs}
     engines["llama.cpp"] = Resident(args.llama_python, {"kind": "llama.cpp", "threads": args.threads,
                                                          "n_ctx": n_ctx, **common}, env)
     engines[READ] = Resident(sys.executable, {"kind": "read", "threads": args.threads,
-                                              "bytes": model_geometry(common["model"])["decode_bytes"], **common}, env)
+                                              "bytes": geo["decode_bytes"], **common}, env)
     passes: list[dict[str, dict]] = []
     try:
         names = list(engines)
@@ -298,6 +298,11 @@ def measure_paired(args: argparse.Namespace, configs: list[str], common: dict, e
 
 
 READ = "pure read"  # --paired's streaming read of the weight bytes, a rate like an engine's
+
+
+def _label(name: str) -> str:
+    """A --paired process's name in the table: kvserve's configurations say whose they are."""
+    return name if name in ("llama.cpp", READ) else f"kvserve {name}"
 
 
 def paired_summary(passes: list[dict[str, dict]], configs: list[str]) -> dict:
@@ -412,14 +417,12 @@ def print_table(results: dict) -> None:
         print(f"\n{'paired replies (median of ' + str(len(paired['passes'])) + ' passes)':44s} {'decode':>12s} "
               f"{'decode-only':>11s}")
         for name, m in paired["medians"].items():
-            label = name if name in ("llama.cpp", READ) else f"kvserve {name}"
-            print(f"{label:44s} {_fmt(m['decode_tok_s'], '12.1f')} {_fmt(m['decode_only_tok_s'], '11.1f')}")
+            print(f"{_label(name):44s} {_fmt(m['decode_tok_s'], '12.1f')} {_fmt(m['decode_only_tok_s'], '11.1f')}")
         for name, q in paired["vs_llama_cpp"].items():
             print(f"{'x llama.cpp: kvserve ' + name:44s} {_fmt(q['decode_tok_s'], '12.2f')} "
                   f"{_fmt(q['decode_only_tok_s'], '11.2f')}", flush=True)
         for name, q in paired.get("vs_read", {}).items():
-            label = name if name == "llama.cpp" else f"kvserve {name}"
-            print(f"{'x pure read of the weights: ' + label:44s} {'':12s} {_fmt(q, '11.2f')}", flush=True)
+            print(f"{'x pure read of the weights: ' + _label(name):44s} {'':12s} {_fmt(q, '11.2f')}", flush=True)
 
 
 def main() -> None:
@@ -523,7 +526,7 @@ def measure_all(args: argparse.Namespace, configs: list[str], lengths: list[int]
     if args.llama_python:
         results["vs_llama_cpp"] = {name: ratio_to_llama(rounds, name, lengths) for name in configs}
     if args.paired and args.llama_python:
-        results["paired"] = measure_paired(args, configs, common, env)
+        results["paired"] = measure_paired(args, configs, common, env, geo)
     if args.ppl:
         r = results["ppl"] = _run(sys.executable, {"kind": "ppl"}, env)
         print(f"perplexity, every linear through the blocks kernel: float32 activations {r['float32']:.4f}, "

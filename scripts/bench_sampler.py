@@ -5,8 +5,9 @@ sampled streams (temperature, top-p, with and without seeds), against greedy.
 
 Sampler alone: logits [batch, the model's vocabulary] drawn as N(0, 1) x scale, half the rows at
 scale 8 (a peaked distribution: at temperature 0.8 a 0.95 nucleus of a few tokens over 49,152) and
-half at 3.5 (a broad one: tens to hundreds of tokens), median of 15 calls. Engine: `LLM.generate` of `batch` short prompts, `tokens`
-tokens each (ignore_eos), the best of `rounds` runs after a warm-up, output tokens per second.
+half at 3.5 (a broad one: tens to hundreds of tokens), median of 15 calls. Engine: `LLM.generate` of
+`batch` short prompts, `tokens` tokens each (ignore_eos), the best of `rounds` runs after a warm-up,
+output tokens per second.
 """
 
 from __future__ import annotations
