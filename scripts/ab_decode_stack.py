@@ -2,12 +2,14 @@
 kernel constant or flag that a machine whose speed moves within minutes cannot fool.
 
     .venv/bin/python scripts/ab_decode_stack.py --model FILE.gguf \\
-        --variant=-DIL_AHEAD=4096 --variant="-DLIN_PIECES_PER_THREAD=8 -DKQ_AHEAD=4096" [--replies 16]
+        --variant=-DIL_AHEAD=4096 --variant="-DLIN_PIECES_PER_THREAD=8 -DKQ_AHEAD=4096" [--replies 16] \\
+        [--context 2048]
 
 The engine loads once; its decode stack is built again with each variant's compiler flags (any
 `-D` of a constant the C sources guard with #ifndef: IL_AHEAD, PREFETCH_AHEAD, KQ_AHEAD,
 LIN_PIECES_PER_THREAD) and the builds take turns, one greedy reply each, the order reversed every
-pass (ABBA). A second build of the default flags runs too, as the control: its ratio shows the
+pass (ABBA); --context N decodes after N tokens of ShareGPT text (attention's share of a step).
+A second build of the default flags runs too, as the control: its ratio shows the
 noise. Printed per build: the median decode-only tok/s, the median over passes of its reply's rate
 over the default build's in the same pass, and whether its tokens equal the default's.
 """
@@ -32,10 +34,19 @@ def main() -> None:
                    help="compiler flags of one build, written --variant=-DNAME=VALUE (repeatable)")
     p.add_argument("--replies", type=int, default=16, help="replies per build")
     p.add_argument("--tokens", type=int, default=32, help="tokens per reply")
+    p.add_argument("--context", type=int, default=0,
+                   help="decode after this many ShareGPT tokens instead of a short prompt (cached after the first reply)")
     args = p.parse_args()
-    if args.replies < 1 or args.tokens < 2:
-        p.error("--replies must be at least 1 and --tokens at least 2")
-    llm = LLM(model=args.model, enable_prefix_caching=False) if args.model else LLM(enable_prefix_caching=False)
+    if args.replies < 1 or args.tokens < 2 or args.context < 0:
+        p.error("--replies must be at least 1, --tokens at least 2 and --context at least 0")
+    # a long context is computed once: later replies take it from the prefix cache and time the decode only
+    cache = args.context > 0
+    llm = LLM(model=args.model, enable_prefix_caching=cache) if args.model else LLM(enable_prefix_caching=cache)
+    prompt = PROMPT
+    if args.context:
+        from kvserve.eval.ppl import load_text_tokens
+
+        prompt = {"prompt_token_ids": load_text_tokens(llm.get_tokenizer(), "sharegpt", args.context)[:args.context]}
     runner = llm.engine.executor.worker.runner
     base = runner.decode_stack
     if base is None:
@@ -51,13 +62,13 @@ def main() -> None:
         stack.lib = lib
         builds[v or "default (again)"] = stack
     greedy = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
-    llm.generate([PROMPT], greedy, use_tqdm=False)  # warm-up
+    llm.generate([prompt], greedy, use_tqdm=False)  # warm-up
     rates: dict[str, list[float]] = {name: [] for name in builds}
     tokens: dict[str, list[int]] = {}
     for r in range(args.replies):
         for name in (list(builds) if r % 2 == 0 else list(builds)[::-1]):
             runner.decode_stack = builds[name]
-            out = llm.generate([PROMPT], greedy, use_tqdm=False)[0]
+            out = llm.generate([prompt], greedy, use_tqdm=False)[0]
             m = out.metrics
             rates[name].append((args.tokens - 1) / (m.last_token_time - m.first_token_time))
             tokens.setdefault(name, out.outputs[0].token_ids)

@@ -3,7 +3,7 @@ one run on one machine, decode judged as a share of the measured memory read ban
 
     .venv/bin/python scripts/bench_cpu.py [--model FILE.gguf] [--llama-python PATH]
         [--configs default,f32,bf16,none-f32,...] [--decode-tokens 128] [--prefill 512,2048]
-        [--threads 2] [--rounds 1] [--paired N] [--out FILE.json] [--ppl]
+        [--threads 2] [--rounds 1] [--paired N] [--context N] [--out FILE.json] [--ppl]
 
 - --model: any llama-architecture GGUF (default: the embedded default model), e.g. one written by
   scripts/make_random_gguf.py (random weights with TinyLlama-1.1B's or Llama-3.2-3B's shapes).
@@ -43,6 +43,12 @@ but an untied token table, of which a token reads one row) with the same threads
 decode would reach if a token cost nothing but reading its weights once. Every engine's reply is
 also given as a share of that read in the same pass (`x pure read`): how far each is from the
 memory's limit at that moment, and so what ratio between the two engines the memory leaves room for.
+
+--context N: decode after N tokens of ShareGPT text instead of the short prompt, in the rounds and
+the paired replies, so attention over a long context is part of every step. Each engine computes
+the context once and keeps it (kvserve's prefix cache, llama.cpp's own prefix reuse), so a reply is
+its last prompt token and the decode; `decode-only` is the rate to read. The pure read stays the
+weights' bytes: the engines' K/V differ (kvserve's in its KV dtype, llama.cpp's in F16).
 
 --ppl: what int8 activations cost in perplexity on the default model. Every quantized linear is
 forced through the blocks kernel at every batch size (prefill included), with float32 and then
@@ -85,12 +91,12 @@ def run_kvserve(spec: dict) -> dict:
     from kvserve import LLM, SamplingParams
 
     n = spec["decode_tokens"]
-    llm = LLM(model=spec["model"], enable_prefix_caching=False, **spec["kwargs"])
+    llm = _kvserve_llm(spec)
     greedy = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    warm = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
+    warm = llm.generate([_kvserve_prompt(spec)], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
     decode, decode_only = [], []
     for _ in range(3):
-        rate, only = kvserve_decode(llm, greedy)
+        rate, only = kvserve_decode(llm, greedy, _kvserve_prompt(spec))
         decode.append(rate)
         if only is not None:
             decode_only.append(only)
@@ -99,6 +105,8 @@ def run_kvserve(spec: dict) -> dict:
         ids = spec["ids"][:length]
         runs = []
         for _ in range(2):
+            if spec.get("context"):
+                llm.engine.clear_kv_cache()  # the decode's context must not shorten a prefill
             t = time.perf_counter()
             llm.generate([ids], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
             runs.append(len(ids) / (time.perf_counter() - t))
@@ -111,11 +119,23 @@ def run_kvserve(spec: dict) -> dict:
             "weight_bytes": info["weight_bytes"], "kv_bytes_per_element": KV_BYTES.get(info["kv_cache_dtype"], 4)}
 
 
-def kvserve_decode(llm, greedy) -> tuple[float, float | None]:
+def _kvserve_llm(spec: dict):
+    """kvserve's engine for a decode spec: the prefix cache on only to keep a --context."""
+    from kvserve import LLM
+
+    return LLM(model=spec["model"], enable_prefix_caching=bool(spec.get("context")), **spec["kwargs"])
+
+
+def _kvserve_prompt(spec: dict) -> str | dict:
+    """The decode's prompt: the short one, or the first --context ids of the ShareGPT text."""
+    return {"prompt_token_ids": spec["ids"][:spec["context"]]} if spec.get("context") else PROMPT
+
+
+def kvserve_decode(llm, greedy, prompt: str | dict = PROMPT) -> tuple[float, float | None]:
     """One greedy reply of greedy.max_tokens tokens: (tok/s over the request, decode-only tok/s)."""
     n = greedy.max_tokens
     t = time.perf_counter()
-    out = llm.generate([PROMPT], greedy, use_tqdm=False)[0]
+    out = llm.generate([prompt], greedy, use_tqdm=False)[0]
     rate = n / (time.perf_counter() - t)
     m = out.metrics
     if m is not None and m.first_token_time and m.last_token_time and m.last_token_time > m.first_token_time:
@@ -123,12 +143,14 @@ def kvserve_decode(llm, greedy) -> tuple[float, float | None]:
     return rate, None
 
 
-def llama_decode(llm, toks: list[int], n: int) -> tuple[float, float | None]:
-    """One greedy reply of n tokens from llama.cpp: (tok/s over the request, decode-only tok/s)."""
-    llm.reset()
+def llama_decode(llm, toks: list[int], n: int, keep: bool = False) -> tuple[float, float | None]:
+    """One greedy reply of n tokens from llama.cpp: (tok/s over the request, decode-only tok/s).
+    keep: reuse what the context holds of toks (generate keeps the longest common prefix)."""
+    if not keep:
+        llm.reset()
     t = time.perf_counter()
     count, first = 0, None
-    for _tok in llm.generate(toks, top_k=1, temp=0.0):
+    for _tok in llm.generate(toks, top_k=1, temp=0.0, reset=True):
         count += 1
         first = first or time.perf_counter()
         if count == n:
@@ -143,10 +165,10 @@ def run_llama_cpp(spec: dict) -> dict:
     n = spec["decode_tokens"]
     llm = Llama(model_path=spec["model"], n_threads=spec["threads"], n_threads_batch=spec["threads"],
                 n_ctx=spec["n_ctx"], n_batch=512, verbose=False, seed=0)
-    toks = llm.tokenize(PROMPT.encode())
+    toks = _llama_prompt(llm, spec)
     decode, decode_only = [], []
     for _ in range(4):  # the first run warms up and is dropped
-        rate, only = llama_decode(llm, toks, n)
+        rate, only = llama_decode(llm, toks, n, keep=bool(spec.get("context")))
         decode.append(rate)
         if only is not None:
             decode_only.append(only)
@@ -161,6 +183,10 @@ def run_llama_cpp(spec: dict) -> dict:
         prefill[str(length)] = {"tok_s": statistics.median(runs), "runs": runs}
     return {"decode_tok_s": statistics.median(decode[1:]), "decode_runs": decode[1:],
             "decode_only_tok_s": statistics.median(decode_only[1:]), "prompt_tokens": len(toks), "prefill": prefill}
+
+
+def _llama_prompt(llm, spec: dict) -> list[int]:
+    return list(spec["ids"][:spec["context"]]) if spec.get("context") else llm.tokenize(PROMPT.encode())
 
 
 def run_ppl() -> dict:
@@ -199,14 +225,14 @@ def _resident(spec: dict) -> None:
 
         llm = Llama(model_path=spec["model"], n_threads=spec["threads"], n_threads_batch=spec["threads"],
                     n_ctx=spec["n_ctx"], n_batch=512, verbose=False, seed=0)
-        toks = llm.tokenize(PROMPT.encode())
-        once = lambda: llama_decode(llm, toks, n)  # noqa: E731
+        toks = _llama_prompt(llm, spec)
+        once = lambda: llama_decode(llm, toks, n, keep=bool(spec.get("context")))  # noqa: E731
     else:
-        from kvserve import LLM, SamplingParams
+        from kvserve import SamplingParams
 
-        llm = LLM(model=spec["model"], enable_prefix_caching=False, **spec["kwargs"])
+        llm = _kvserve_llm(spec)
         greedy = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-        once = lambda: kvserve_decode(llm, greedy)  # noqa: E731
+        once = lambda: kvserve_decode(llm, greedy, _kvserve_prompt(spec))  # noqa: E731
     once()
     print("READY", flush=True)
     for line in sys.stdin:
@@ -274,7 +300,7 @@ def measure_paired(args: argparse.Namespace, configs: list[str], common: dict, e
     round's minute: the ratios are the median over the N passes of each configuration's reply
     over llama.cpp's in the same pass. The idle engines wait (their threads sleep); they hold
     memory, not cores. A third process reads geo's decode bytes each pass (the pure read)."""
-    n_ctx = 64 + args.decode_tokens + 64
+    n_ctx = 64 + args.context + args.decode_tokens + 64
     engines = {name: Resident(sys.executable, {"kind": "kvserve", "kwargs": CONFIGS[name][0], **common},
                               {**env, **CONFIGS[name][1]}) for name in configs}
     engines["llama.cpp"] = Resident(args.llama_python, {"kind": "llama.cpp", "threads": args.threads,
@@ -437,6 +463,8 @@ def main() -> None:
                    help="run every configuration and llama.cpp this many times, interleaved")
     p.add_argument("--paired", type=int, default=0, metavar="N",
                    help="then N decode replies per engine with every engine resident, in turns (needs --llama-python)")
+    p.add_argument("--context", type=int, default=0, metavar="N",
+                   help="decode after N tokens of ShareGPT text instead of a short prompt")
     p.add_argument("--out", default=None, help="write every number as JSON")
     p.add_argument("--ppl", action="store_true", help="also measure int8 activations' perplexity cost")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -451,8 +479,8 @@ def main() -> None:
         lengths = [int(n) for n in args.prefill.split(",") if n]
     except ValueError:
         p.error(f"--prefill: comma-separated token counts, got {args.prefill!r}")
-    if args.decode_tokens < 2 or any(n < 1 for n in lengths):
-        p.error("--decode-tokens must be at least 2 and every --prefill length at least 1")
+    if args.decode_tokens < 2 or any(n < 1 for n in lengths) or args.context < 0:
+        p.error("--decode-tokens must be at least 2, every --prefill length at least 1 and --context at least 0")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     if args.paired < 0 or args.paired and not args.llama_python:
@@ -479,15 +507,17 @@ def measure_all(args: argparse.Namespace, configs: list[str], lengths: list[int]
     bw = bandwidth.read_bandwidth(args.threads, refresh=True)
     gb_s = bw["gb_s"] if bw else None
     bw_rounds = [gb_s]
-    ids = load_text_tokens(load_tokenizer(path), "sharegpt", max(lengths)) if lengths else []
-    if len(ids) < max(lengths, default=0):
-        raise SystemExit(f"the ShareGPT text gave only {len(ids)} tokens for --prefill {max(lengths)}")
+    need = max([*lengths, args.context])
+    ids = load_text_tokens(load_tokenizer(path), "sharegpt", need) if need else []
+    if len(ids) < need:
+        raise SystemExit(f"the ShareGPT text gave only {len(ids)} tokens for --prefill / --context {need}")
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     results = {"cpu": cpu.cpu_model(), "flags": cpu.reported_flags(), "isa_level": cpu.isa_level(),
                "threads": args.threads, "bandwidth": bw, "model": path, "geometry": geo,
                "command": shlex.join([os.path.relpath(sys.executable), *sys.argv]),
-               "decode_tokens": args.decode_tokens, "prefill_lengths": lengths, "runs": {}}
-    common = {"model": path, "decode_tokens": args.decode_tokens, "prefill": lengths, "ids": ids}
+               "decode_tokens": args.decode_tokens, "context": args.context, "prefill_lengths": lengths, "runs": {}}
+    common = {"model": path, "decode_tokens": args.decode_tokens, "prefill": lengths, "ids": ids,
+              "context": args.context}
     rounds: list[dict[str, dict]] = []
     for k in range(args.rounds):
         one: dict[str, dict] = {}
@@ -501,7 +531,7 @@ def measure_all(args: argparse.Namespace, configs: list[str], lengths: list[int]
         engines = [*configs, *(["llama.cpp"] if args.llama_python else [])]
         for name in engines[k % len(engines):] + engines[:k % len(engines)]:
             if name == "llama.cpp":
-                n_ctx = max([*lengths, 64 + args.decode_tokens]) + 64
+                n_ctx = max([*lengths, 64 + args.context + args.decode_tokens]) + 64
                 r = one[name] = _run(args.llama_python, {"kind": "llama.cpp", "threads": args.threads,
                                                          "n_ctx": n_ctx, **common}, env)
                 r.update(dtype="-", quantization="gguf")

@@ -129,15 +129,18 @@ def test_c_kernel_leaves_floating_point_state_alone():
     assert out.stdout.strip() == "True", out.stderr
 
 
-@pytest.mark.parametrize("d", [32, 64, 80, 40])  # 32-float register sums, with and without a tail
+# head sizes: 64- and 32-float register sums with and without a tail, 8- and 16-float score loads
+@pytest.mark.parametrize("d", [32, 64, 80, 40, 128, 24])
+@pytest.mark.parametrize("group", [3, 8])  # query heads per kv head: 4 at a time in the AVX-512 sums, and a rest
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_c_kernel_head_sizes_and_long_contexts(d, dtype):
+def test_c_kernel_head_sizes_and_long_contexts(d, group, dtype):
     """Wide heads over a few hundred positions (past the kernel's 256-position chunks, with a block
-    size that does not divide them), scores spread enough that exp's range matters."""
+    size that does not divide them, and lengths that leave a short last group of 8 positions),
+    scores spread enough that exp's range matters."""
     from kvserve.kernels import paged_attention
 
     g = torch.Generator().manual_seed(d)
-    nb, bs, hkv, hq = 90, 12, 2, 6
+    nb, bs, hkv, hq = 90, 12, 2, 2 * group
     q = torch.randn(3, hq, d, generator=g) * 3
     kc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
     vc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)

@@ -120,3 +120,21 @@ def test_decode_bytes_leave_out_an_untied_token_table(bench, tmp_path, tied):
     total = 4 * sum(int(np.prod(s)) for s in tensors.values())
     assert geo["tensor_bytes"] == total
     assert geo["decode_bytes"] == (total if tied else total - 4 * 16 * 32)
+
+
+def test_context_decodes_after_the_context_ids_kept_in_the_prefix_cache(bench):
+    """--context N: the decode's prompt is the first N ids of the text, for both engines, and
+    kvserve's replies run on it."""
+    spec = {"model": None, "kwargs": {}, "decode_tokens": 4, "prefill": [], "ids": list(range(100, 160)),
+            "context": 48}
+    assert bench._kvserve_prompt(spec) == {"prompt_token_ids": list(range(100, 148))}
+    assert bench._kvserve_prompt({**spec, "context": 0}) == bench.PROMPT
+
+    class Tok:
+        def tokenize(self, text):
+            return [1, 2, 3]
+    assert bench._llama_prompt(Tok(), spec) == list(range(100, 148))
+    assert bench._llama_prompt(Tok(), {**spec, "context": 0}) == [1, 2, 3]
+
+    r = bench.run_kvserve(spec)
+    assert r["prompt_tokens"] == 48 and r["decode_only_tok_s"] > 0

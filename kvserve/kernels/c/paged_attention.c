@@ -94,7 +94,9 @@ static void gather_rows(const void *cache, const int64_t *table, int64_t t0, int
 }
 /* Rows come from blocks scattered in memory (the hardware prefetchers stop at page ends): each
    position's row is fetched PREFETCH_AHEAD positions before it is used. */
+#ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 8
+#endif
 static inline void prefetch_row(const float **rows, int64_t t, int64_t len, int64_t off, int64_t w) {
     if (t < len)
         for (int64_t c = 0; c < w; c += 16) __builtin_prefetch(rows[t] + off + c);  /* 16 floats: a line */
@@ -117,6 +119,85 @@ static inline float dot_row(const float *a, const float *b, int64_t d) {
 #endif
     for (; i < d; ++i) s += a[i] * b[i];
     return s;
+}
+#if defined(__AVX2__)
+/* The sums of 8 vectors' lanes, in lane order: (r0 .. r7) -> [sum r0, .., sum r7]. Each sum is
+   r_i's own lanes added in one fixed tree, whichever vectors sit beside it. */
+static inline __m256 hsum8x8(__m256 r0, __m256 r1, __m256 r2, __m256 r3, __m256 r4, __m256 r5, __m256 r6,
+                             __m256 r7) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(r0, r1), _mm256_hadd_ps(r2, r3));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(r4, r5), _mm256_hadd_ps(r6, r7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+#if defined(__AVX512F__) && defined(__AVX2__)
+static inline __m256 fold16(__m512 v) {  /* lanes i and i + 8 added */
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#endif
+/* Positions a score group takes: their K rows are read while one query head's q stays in a
+   register, and their 8 dot products are summed across lanes together (hsum8x8) instead of
+   one horizontal sum each. */
+#define SCORE_GROUP 8
+/* scores[j * ld + t] = (q_j . rows[t][(j / g) * d ..]) * scale for t < n and the nh query heads j of
+   qf [nh * d] (g heads per kv head). With AVX2, 8 positions at a time per head, q's 8 floats loaded
+   once for the 8 rows (AVX-512: 16 floats, where d allows); a last group short of 8 reads its last
+   row again for the missing ones, so a position's score is the same arithmetic wherever its
+   group starts. Elsewhere one dot product at a time (dot_row). */
+static void score_rows(const float *qf, const float **rows, int64_t n, int64_t d, int64_t nh, int64_t g,
+                       float scale, float *scores, int64_t ld) {
+#if defined(__AVX2__)
+    if (d % 8 == 0) {
+        const __m256 sc = _mm256_set1_ps(scale);
+        for (int64_t t0 = 0; t0 < n; t0 += SCORE_GROUP) {
+            const float *r[SCORE_GROUP];
+            for (int p = 0; p < SCORE_GROUP; ++p) r[p] = rows[t0 + p < n ? t0 + p : n - 1];
+            for (int64_t t = t0 + PREFETCH_AHEAD; t < t0 + PREFETCH_AHEAD + SCORE_GROUP && t < n; ++t)
+                for (int64_t c = 0; c < (nh / g) * d; c += 16) __builtin_prefetch(rows[t] + c);
+            for (int64_t j = 0; j < nh; ++j) {
+                const float *q = qf + j * d;
+                const int64_t off = (j / g) * d;
+                __m256 s;
+#if defined(__AVX512F__)
+                if (d % 16 == 0) {
+                    __m512 a[SCORE_GROUP];
+                    for (int p = 0; p < SCORE_GROUP; ++p) a[p] = _mm512_setzero_ps();
+                    for (int64_t i = 0; i < d; i += 16) {
+                        const __m512 qv = _mm512_loadu_ps(q + i);
+                        for (int p = 0; p < SCORE_GROUP; ++p)
+                            a[p] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(r[p] + off + i), a[p]);
+                    }
+                    s = hsum8x8(fold16(a[0]), fold16(a[1]), fold16(a[2]), fold16(a[3]), fold16(a[4]), fold16(a[5]),
+                                fold16(a[6]), fold16(a[7]));
+                } else
+#endif
+                {
+                    __m256 a[SCORE_GROUP];
+                    for (int p = 0; p < SCORE_GROUP; ++p) a[p] = _mm256_setzero_ps();
+                    for (int64_t i = 0; i < d; i += 8) {
+                        const __m256 qv = _mm256_loadu_ps(q + i);
+                        for (int p = 0; p < SCORE_GROUP; ++p)
+                            a[p] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[p] + off + i), a[p]);
+                    }
+                    s = hsum8x8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
+                }
+                s = _mm256_mul_ps(s, sc);
+                if (t0 + SCORE_GROUP <= n) {
+                    _mm256_storeu_ps(scores + j * ld + t0, s);
+                } else {
+                    float tmp[SCORE_GROUP];
+                    _mm256_storeu_ps(tmp, s);
+                    memcpy(scores + j * ld + t0, tmp, sizeof(float) * (size_t)(n - t0));
+                }
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t t = 0; t < n; ++t) {
+        prefetch_row(rows, t + PREFETCH_AHEAD, n, 0, (nh / g) * d);
+        for (int64_t j = 0; j < nh; ++j) scores[j * ld + t] = dot_row(qf + j * d, rows[t] + (j / g) * d, d) * scale;
+    }
 }
 #if defined(__AVX2__)
 /* out[j] [32] += sum_t p[j * ldp + t] v[t][..32] over n rows for H <= 2 heads that read the same
@@ -144,11 +225,47 @@ static inline __attribute__((always_inline)) void weighted_rows_32(const int H, 
         for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + j * ldo + i * 8, acc[j][i]);
 }
 #endif
+#if defined(__AVX512F__) && defined(__AVX2__)
+/* weighted_rows_32's AVX-512 form: 64 floats of each row (4 registers) for H <= 4 heads, 4H
+   accumulators. Each lane is the same fused multiply-adds in the same order as there. */
+static inline __attribute__((always_inline)) void weighted_rows_64(const int H, const float *p, int64_t ldp,
+        int64_t n, const float **rows, int64_t off, float *out, int64_t ldo) {
+    __m512 acc[4][4];
+    for (int j = 0; j < H; ++j)
+        for (int i = 0; i < 4; ++i) acc[j][i] = _mm512_loadu_ps(out + j * ldo + i * 16);
+    for (int64_t t = 0; t < n; ++t) {
+        const float *v = rows[t] + off;
+        prefetch_row(rows, t + PREFETCH_AHEAD, n, off, 64);
+        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                     v3 = _mm512_loadu_ps(v + 48);
+        for (int j = 0; j < H; ++j) {
+            const __m512 pj = _mm512_set1_ps(p[j * ldp + t]);
+            acc[j][0] = _mm512_fmadd_ps(pj, v0, acc[j][0]);
+            acc[j][1] = _mm512_fmadd_ps(pj, v1, acc[j][1]);
+            acc[j][2] = _mm512_fmadd_ps(pj, v2, acc[j][2]);
+            acc[j][3] = _mm512_fmadd_ps(pj, v3, acc[j][3]);
+        }
+    }
+    for (int j = 0; j < H; ++j)
+        for (int i = 0; i < 4; ++i) _mm512_storeu_ps(out + j * ldo + i * 16, acc[j][i]);
+}
+#endif
 /* out[j] [d] (row stride d) += sum_t p[j * ldp + t] rows[t][off ..] over n rows, for the g heads j
    that share one kv head. */
 static void weighted_rows(const float *p, int64_t ldp, const float **rows, int64_t off, int64_t n, int64_t d,
                           int64_t g, float *out) {
     int64_t i0 = 0;
+#if defined(__AVX512F__) && defined(__AVX2__)
+    for (; i0 + 64 <= d; i0 += 64)
+        for (int64_t j = 0; j < g; j += 4) {
+            switch (g - j) {
+            case 1: weighted_rows_64(1, p + j * ldp, ldp, n, rows, off + i0, out + j * d + i0, d); break;
+            case 2: weighted_rows_64(2, p + j * ldp, ldp, n, rows, off + i0, out + j * d + i0, d); break;
+            case 3: weighted_rows_64(3, p + j * ldp, ldp, n, rows, off + i0, out + j * d + i0, d); break;
+            default: weighted_rows_64(4, p + j * ldp, ldp, n, rows, off + i0, out + j * d + i0, d);
+            }
+        }
+#endif
 #if defined(__AVX2__)
     for (; i0 + 32 <= d; i0 += 32)
         for (int64_t j = 0; j < g; j += 2) {
@@ -175,9 +292,9 @@ static inline int64_t attend_buf_floats(int kind, int64_t w) { return kind == RO
    (f32), its block table and length; writes those heads of out [hq * d]. Scores are q.k * scale
    and the output is sum p v * v_scale, so an fp8 cache's per-layer scales cost nothing (fp8
    callers multiply both by 2^8 first: fp8_row_to_f32_lo's 2^-8). Float32 caches are read in
-   place; others are converted ROWS_CHUNK positions at a time. Each position's K row serves all
-   its query heads while in L1; the softmax's exp is vectorized (vexpf); the output sums 32 floats
-   in registers. Scratch: rows [ROWS_CHUNK], buf [attend_buf_floats], scores [(kh1 - kh0) * g * len]. */
+   place; others are converted ROWS_CHUNK positions at a time. The scores take 8 positions' K rows
+   at a time (score_rows: they stay in L1 for all the query heads); the softmax's exp is vectorized
+   (vexpf); the output sums 32 floats (AVX-512: 64) in registers for 2 (4) heads per row read. Scratch: rows [ROWS_CHUNK], buf [attend_buf_floats], scores [(kh1 - kh0) * g * len]. */
 static void attend_heads(const float *qf, const void *k_cache, const void *v_cache, const int64_t *table, int64_t len,
                          int64_t hq, int64_t hkv, int64_t d, int64_t block_size, int kv_kind, float scale,
                          float v_scale, int64_t kh0, int64_t kh1, float *out, const float **rows, float *buf,
@@ -186,11 +303,7 @@ static void attend_heads(const float *qf, const void *k_cache, const void *v_cac
     for (int64_t c0 = 0; c0 < len; c0 += ROWS_CHUNK) {
         const int64_t n = len - c0 < ROWS_CHUNK ? len - c0 : ROWS_CHUNK;
         gather_rows(k_cache, table, c0, n, block_size, width, kh0, d, w, kv_kind, rows, buf);
-        for (int64_t t = 0; t < n; ++t) {
-            prefetch_row(rows, t + PREFETCH_AHEAD, n, 0, w);
-            for (int64_t j = 0; j < nh; ++j)
-                scores[j * len + c0 + t] = dot_row(qf + (j0 + j) * d, rows[t] + (j / g) * d, d) * scale;
-        }
+        score_rows(qf + j0 * d, rows, n, d, nh, g, scale, scores + c0, len);
     }
     for (int64_t j = 0; j < nh; ++j) {
         float *sj = scores + j * len, m = -INFINITY, sum = 0.f;
@@ -212,29 +325,33 @@ static void attend_heads(const float *qf, const void *k_cache, const void *v_cac
 }
 
 /* q, out: [B, Hq, D] (f32, or bf16 if q_bf16); caches: [num_blocks, block_size, Hkv, D] of kv_kind;
-   tables: [B, table_stride]. One task per request (attend_heads over all its heads). */
+   tables: [B, table_stride]. One task per request and kv head (attend_heads over the query heads
+   that share it), so a single request's heads are spread over the threads too; a head's output
+   is the same whichever task computes it. */
 void paged_decode(const void *q, const void *k_cache, const void *v_cache, void *out,
                   const int64_t *tables, int64_t table_stride, const int64_t *seq_lens,
                   int64_t num_reqs, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
                   int64_t max_len, float scale, float v_scale, int q_bf16, int kv_kind, int num_threads) {
     if (kv_kind == ROW_FP8) { scale *= 256.f; v_scale *= 256.f; }  /* fp8_row_to_f32_lo's 2^-8 */
+    const int64_t g = hq / hkv, gd = g * d;
     #pragma omp parallel num_threads(num_threads)
     {
         float *qf = malloc(sizeof(float) * hq * d);
         float *acc = malloc(sizeof(float) * hq * d);
         const float **rows = malloc(sizeof(float *) * ROWS_CHUNK);
-        float *buf = malloc(sizeof(float) * (attend_buf_floats(kv_kind, hkv * d) + 1));
-        float *scores = malloc(sizeof(float) * hq * max_len);
+        float *buf = malloc(sizeof(float) * (attend_buf_floats(kv_kind, d) + 1));
+        float *scores = malloc(sizeof(float) * g * max_len);
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t b = 0; b < num_reqs; ++b) {
-            load_row(q, b * hq * d, hq * d, q_bf16 ? ROW_BF16 : ROW_F32, qf);
+        for (int64_t i = 0; i < num_reqs * hkv; ++i) {
+            const int64_t b = i / hkv, kh = i % hkv, o = b * hq * d + kh * gd;
+            load_row(q, o, gd, q_bf16 ? ROW_BF16 : ROW_F32, qf + kh * gd);
             attend_heads(qf, k_cache, v_cache, tables + b * table_stride, seq_lens[b], hq, hkv, d, block_size,
-                         kv_kind, scale, v_scale, 0, hkv, acc, rows, buf, scores);
+                         kv_kind, scale, v_scale, kh, kh + 1, acc, rows, buf, scores);
             if (q_bf16) {
-                uint16_t *dst = (uint16_t *)out + b * hq * d;
-                for (int64_t i = 0; i < hq * d; ++i) dst[i] = f32_to_bf16(acc[i]);
+                uint16_t *dst = (uint16_t *)out + o;
+                for (int64_t e = 0; e < gd; ++e) dst[e] = f32_to_bf16(acc[kh * gd + e]);
             } else {
-                memcpy((float *)out + b * hq * d, acc, sizeof(float) * hq * d);
+                memcpy((float *)out + o, acc + kh * gd, sizeof(float) * gd);
             }
         }
         free(qf); free(acc); free(rows); free(buf); free(scores);
