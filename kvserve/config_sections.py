@@ -38,7 +38,7 @@ def parse_size(value: int | str, field: str = "size") -> int:
 
 # Allowed values, shared by the validation below and the flags' choices (engine_args.py).
 DTYPES = ("auto", "bfloat16", "float32", "float16")
-KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")  # attention/: cpu_backend.py, torch_backend.py, ...
 PREFIX_CACHES = ("hash", "radix")
 # --structured-outputs-backend: kvserve/structured/ (auto: the faster on the CPU path, BENCHMARKS.md)
@@ -160,12 +160,13 @@ class CacheConfig:
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     prefix_cache: str = "hash"  # hash | radix
-    kv_cache_dtype: str = "auto"  # auto: the model dtype | fp8: float8 e4m3 with per-layer scales
+    # auto: the model dtype | fp8: float8 e4m3 with per-layer scales | bfloat16 (for a float32 model: half the bytes)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size, 1)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory is not None:
             check_int("kv_cache_memory", self.kv_cache_memory, 1)
         if self.num_kv_blocks is not None:

@@ -59,6 +59,8 @@ class TorchAttentionBackend(AttentionBackend):
             qpos = None if meta.query_positions is None else meta.query_positions[start:end]
             if seq_len == end - start and qpos is None:  # no cached context: attend to the fresh K/V
                 kk, vv = k[start:end], v[start:end]
+                if k_cache.dtype not in (q.dtype, FP8):  # as the cache holds them (a float32 model's bfloat16 KV)
+                    kk, vv = kk.to(k_cache.dtype), vv.to(v_cache.dtype)
             else:
                 ids = meta.block_tables[i, :-(-seq_len // meta.block_size)]
                 kk = self._gather(k_cache, ids, q.dtype, k_scale)[:seq_len]

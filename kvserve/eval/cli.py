@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve import eval as defaults
+from kvserve.config_sections import KV_CACHE_DTYPES
 from kvserve.config_sections import QUANTIZATION_METHODS as METHODS
 
 _QUANT_CHOICES = [*METHODS, "none"]
@@ -37,7 +38,7 @@ def add_eval_parser(subparsers: Any) -> None:
     _model_args(p)
     p.add_argument("--quantization", "-q", default=None, choices=_QUANT_CHOICES,
                    help="weight quantization (default: what the checkpoint says; none: load dequantized)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--dataset", default="sharegpt",
                    help="'sharegpt' (all turns joined, in file order) or a UTF-8 text file")
     p.add_argument("--max-tokens", type=int, default=defaults.PPL_MAX_TOKENS, help="cut the tokenized text here")

@@ -55,9 +55,10 @@ ROW_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}  # load
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """q is float32 or bfloat16 on the CPU and the cache holds q's dtype or float8 e4m3 (fp8 KV cache)."""
+    """q is float32 or bfloat16 on the CPU and the cache holds q's dtype, bfloat16 (a float32
+    model's `kv_cache_dtype="bfloat16"`) or float8 e4m3 (fp8 KV cache)."""
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-            and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
+            and k_cache.dtype in (q.dtype, torch.bfloat16, torch.float8_e4m3fn)
             and load_kernel() is not None)
 
 
@@ -125,12 +126,13 @@ def write_fp8(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: 
 
 
 def supports_prefill(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """paged_prefill handles these: float32 or bfloat16 queries over a cache of their dtype (an fp8
-    cache keeps the torch path, where a prefill without cached context attends to its unquantized
-    K/V), a head size that is a whole number of the kernel's vectors, query heads dense within a
-    token, and vector units (at the generic level, SSE2 or another architecture's 16-byte vectors,
+    """paged_prefill handles these: float32 or bfloat16 queries over a cache of their dtype or of
+    bfloat16 (a float32 model's bfloat16 cache: its rows read as floats; an fp8 cache keeps the
+    torch path, where a prefill without cached context attends to its unquantized K/V), a head
+    size that is a whole number of the kernel's vectors, query heads dense within a token, and
+    vector units (at the generic level, SSE2 or another architecture's 16-byte vectors,
     torch's SDPA is faster)."""
-    return (supports(q, k_cache) and k_cache.dtype == q.dtype and cpu.isa_level() != "generic"
+    return (supports(q, k_cache) and k_cache.dtype != torch.float8_e4m3fn and cpu.isa_level() != "generic"
             and q.shape[-1] % _lib.prefill_vector_width() == 0 and q.stride(-1) == 1 and q.stride(1) == q.shape[-1])
 
 
@@ -150,11 +152,12 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     q [T, Hq, D] float32 or bfloat16 (token rows may sit apart: a view of the fused qkv output), out
     of its dtype; request i's query tokens are rows [starts[i], starts[i + 1]) at positions[...]
     (None: the last ones of its seq_lens[i] positions); the caches [blocks, block_size, Hkv, D] hold
-    q's dtype and already every position up to each query's own. Rows of out outside those
+    q's dtype (or bfloat16) and already every position up to each query's own. Rows of out outside those
     requests are left alone. bf16: the products of Q K^T and P V in bfloat16, summed in float32
     (where bf16_products(); each input rounded to 8 significant bits once)."""
     lib = load_kernel()
-    assert lib is not None and out.is_contiguous() and out.dtype == q.dtype == k_cache.dtype
+    assert lib is not None and out.is_contiguous() and out.dtype == q.dtype
+    assert k_cache.dtype in (q.dtype, torch.bfloat16) and v_cache.dtype == k_cache.dtype
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     tables, starts, seq_lens = (t.to(torch.int64).contiguous() for t in (block_tables, starts, seq_lens))
     pos = None if positions is None else positions.to(torch.int64).contiguous()

@@ -10,7 +10,7 @@ OpenMP parallel region, the threads meeting at a barrier between ops:
 
   x = norm(h + res)            res = h + res (layer 0: res = h)
   qkv = x @ Wqkv.T (+ bias)    q/k per-head norm (Qwen3), rotary on q and k
-  K, V written to the paged cache at each token's slot (float32, or fp8 codes with the layer's scale)
+  K, V written to the paged cache at each token's slot (float32, bfloat16, or fp8 codes with the layer's scale)
   attn = paged decode attention (one task per request and kv head)
   x = norm(attn @ Wo.T + res)  res = attn @ Wo.T + res
   h = silu_mul(x @ Wgu.T) @ Wdown.T
@@ -191,7 +191,7 @@ class DecodeStack:
         """Point the layers at these caches; False if the stack cannot read or write them."""
         k0 = kv_caches[0][0]
         kind = paged_attention.ROW_KIND.get(k0.dtype)
-        if kind not in (0, 2) or k0.device.type != "cpu" or any(a.kv_amax is not None for a in self._attns):
+        if kind is None or k0.device.type != "cpu" or any(a.kv_amax is not None for a in self._attns):
             return False
         if k0.dim() != 4 or k0.shape[2] != self.dims.hkv or k0.shape[3] != self.dims.d:
             return False

@@ -65,12 +65,15 @@ KV_SCALE_MARGIN = 2.0
 
 
 def kv_dtype_of(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the KV tensors are stored in: the model's ('auto') or float8 e4m3fn ('fp8')."""
+    """The dtype the KV tensors are stored in: the model's ('auto'), float8 e4m3fn ('fp8') or
+    bfloat16 ('bfloat16': K/V rounded to 8 significant bits when written, computed in the model's)."""
     if kv_cache_dtype == "auto":
         return model_dtype
     if kv_cache_dtype == "fp8":
         return FP8
-    raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "bfloat16":
+        return torch.bfloat16
+    raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'bfloat16', got {kv_cache_dtype!r}")
 
 
 def fp8_kv_scales(amax: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from kvserve.worker import decode_stack
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0, logprobs=5, ignore_eos=True)
 DENSE_ATOL = 1e-5
+BF16_KV_ATOL = 1e-4  # dense weights over a bfloat16 KV cache (test_bfloat16_kv_of_a_float32_model)
 BLOCKS_ULPS = 64  # float32 ulps (relative to max(1, |logprob|)) that reassociation may cost
 ACT_RTOL = {"float32": BLOCKS_ULPS * 2.0 ** -23, "int16": 1e-3, "int8": 1e-2}  # relative, by activation mode
 
@@ -114,6 +115,22 @@ def test_fp8_kv_and_integer_activations(tiny_model_factory, monkeypatch):
         off, _ = _generate(llm, False, monkeypatch)
         assert calls > 0
         _compare(on, off, act=mode)
+
+
+@pytest.mark.parametrize("quant", ["int8", "none"])
+def test_bfloat16_kv_of_a_float32_model(tiny_model_factory, monkeypatch, quant):
+    """kv_cache_dtype="bfloat16": K/V rounded to bfloat16 as they are written (the stack rounds as
+    torch's cast does), read back as floats by the attention kernel; the stack equals the layer path.
+    Dense weights: the two paths' K/V differ in the last float32 bits (torch's GEMM against the
+    stack's sums), and an element that such a difference puts on the other side of a bfloat16
+    rounding boundary moves by a bfloat16 step (2^-8 of it): 1.3e-5 in logprob measured at the avx2
+    level, so BF16_KV_ATOL there."""
+    llm = _llm(tiny_model_factory("llama"), quantization=quant, kv_cache_dtype="bfloat16")
+    assert llm.engine.executor.runner.kv_caches[0][0].dtype == torch.bfloat16
+    on, calls = _generate(llm, True, monkeypatch)
+    off, _ = _generate(llm, False, monkeypatch)
+    assert calls >= PARAMS.max_tokens - 1
+    _compare(on, off, None if quant == "int8" else BF16_KV_ATOL)
 
 
 def test_large_batches_and_prefills_take_the_layer_path(tiny_model_factory, monkeypatch):

@@ -15,13 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve import LLM, SamplingParams
+from kvserve import SamplingParams
 from kvserve.attention import FP8, FP8_MAX, Attention
 from kvserve.kv_tiers.manager import model_fingerprint
 from kvserve.models.loader import load_model
 from kvserve.worker.model_runner import KV_SCALE_MARGIN, ModelRunner, fp8_kv_scales, kv_bytes_per_block
+from tests.worker.kv_dtype_common import BS, assert_greedy_close
+from tests.worker.kv_dtype_common import engine as _llm
+from tests.worker.kv_dtype_common import prompt_logprobs as _prompt_logprobs
+from tests.worker.kv_dtype_common import prompts as _prompts
 
-BS = 16
 MAX_LP_DIFF = 0.3
 MEAN_LP_DIFF = 0.06
 GREEDY = SamplingParams(max_tokens=8, temperature=0, logprobs=5, ignore_eos=True)
@@ -32,41 +35,8 @@ def model_dir(tiny_model_factory) -> Path:
     return tiny_model_factory("llama")
 
 
-def _prompts(n: int = 8, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 300) for _ in range(rng.randrange(20, 60))] for _ in range(n)]
-
-
-def _llm(model_dir: Path, kv_cache_dtype: str, **kw) -> LLM:
-    kw.setdefault("num_kv_blocks", 128)
-    return LLM(model=str(model_dir), dtype=kw.pop("dtype", "float32"), kv_cache_dtype=kv_cache_dtype, block_size=BS,
-               check_integrity=True, **kw)
-
-
-def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[float]:
-    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [next(iter(d.values())).logprob for o in outs for d in o.prompt_logprobs if d]
-
-
-def _assert_greedy_close(fp8_outs, auto_outs) -> int:
-    """Tokens equal up to a near-tie, logprobs within the tolerance before it; returns how many
-    generations were identical."""
-    identical, diffs = 0, []
-    for a, b in zip(auto_outs, fp8_outs):
-        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
-        for j, (x, y) in enumerate(zip(ta, tb)):
-            la, lb = a.outputs[0].logprobs[j], b.outputs[0].logprobs[j]
-            if x != y:
-                assert y in la, f"step {j}: fp8 token {y} is not in auto's top 5 {list(la)}"
-                gap = la[x].logprob - la[y].logprob
-                assert gap < 2 * MAX_LP_DIFF, f"step {j}: tokens {x} != {y} but auto's gap is {gap:.3f}"
-                break
-            diffs.append(abs(la[x].logprob - lb[x].logprob))
-        else:
-            identical += 1
-    assert max(diffs) < MAX_LP_DIFF and sum(diffs) / len(diffs) < MEAN_LP_DIFF, (max(diffs), sum(diffs) / len(diffs))
-    return identical
+def _assert_greedy_close(outs, auto_outs) -> int:
+    return assert_greedy_close(outs, auto_outs, MAX_LP_DIFF, MEAN_LP_DIFF)
 
 
 @pytest.mark.parametrize("budget", [2048, 8, 1])

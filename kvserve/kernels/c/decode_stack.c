@@ -154,6 +154,9 @@ void decode_stack(const Layer *layers, int64_t nlayers, const Dims *dm, int64_t 
                 if (dm->kv_kind == ROW_FP8) {
                     write_fp8(k, 0, 0, slots + t, 1, width, 1.f / L->k_scale, L->k_cache);
                     write_fp8(v, 0, 0, slots + t, 1, width, 1.f / L->v_scale, L->v_cache);
+                } else if (dm->kv_kind == ROW_BF16) {  /* rounded as torch's .to(torch.bfloat16) */
+                    uint16_t *kc = (uint16_t *)L->k_cache + slots[t] * width, *vc = (uint16_t *)L->v_cache + slots[t] * width;
+                    for (int64_t e = 0; e < width; ++e) { kc[e] = f32_to_bf16(k[e]); vc[e] = f32_to_bf16(v[e]); }
                 } else {
                     memcpy((float *)L->k_cache + slots[t] * width, k, sizeof(float) * width);
                     memcpy((float *)L->v_cache + slots[t] * width, v, sizeof(float) * width);

@@ -77,15 +77,24 @@ static inline const void *cache_row(const void *cache, int kind, int64_t idx) {
     return kind == ROW_BF16 ? (const void *)((const uint16_t *)cache + idx) : (const void *)((const float *)cache + idx);
 }
 /* rows[i] = position t0 + i's row (i < n) of kv heads [kh0, kh0 + w / d) as floats: the cache's own
-   row for a float32 cache, else converted into buf [n * w]. */
-static void gather_rows(const void *cache, const int64_t *table, int64_t t0, int64_t n, int64_t block_size,
-                        int64_t width, int64_t kh0, int64_t d, int64_t w, int kind, const float **rows, float *buf) {
+   row for a float32 cache, else converted into buf [n * w]; a conversion also asks for the row n
+   positions on (below len), the next gather's. */
+static void gather_rows(const void *cache, const int64_t *table, int64_t t0, int64_t n, int64_t len,
+                        int64_t block_size, int64_t width, int64_t kh0, int64_t d, int64_t w, int kind,
+                        const float **rows, float *buf) {
     int64_t b = t0 / block_size, o = t0 % block_size;
+    const int64_t bytes = kind == ROW_BF16 ? 2 : 1;
     for (int64_t i = 0; i < n; ++i) {
         const int64_t idx = (table[b] * block_size + o) * width + kh0 * d;
         if (kind == ROW_F32) {
             rows[i] = (const float *)cache + idx;
         } else {
+            const int64_t p = t0 + i + n;
+            if (p < len) {
+                const char *next = (const char *)cache
+                                   + ((table[p / block_size] * block_size + p % block_size) * width + kh0 * d) * bytes;
+                for (int64_t c = 0; c < w * bytes; c += 64) __builtin_prefetch(next + c);
+            }
             load_row(cache, idx, w, kind, buf + i * w);
             rows[i] = buf + i * w;
         }
@@ -285,24 +294,30 @@ static void weighted_rows(const float *p, int64_t ldp, const float **rows, int64
 }
 /* Positions gathered (and, for other dtypes than float32, converted) at a time: bounds the scratch. */
 #define ROWS_CHUNK 256
+/* ... of a cache whose rows are converted (bfloat16, fp8): few enough that they are still in L1 when
+   used, so converting and using them take turns, the next rows' reads asked for meanwhile */
+#define CONV_CHUNK 32
+static inline int64_t chunk_rows(int kind) { return kind == ROW_F32 ? ROWS_CHUNK : CONV_CHUNK; }
 /* Scratch floats attend_heads needs in buf for rows of w floats. */
-static inline int64_t attend_buf_floats(int kind, int64_t w) { return kind == ROW_F32 ? 0 : ROWS_CHUNK * w; }
+static inline int64_t attend_buf_floats(int kind, int64_t w) { return kind == ROW_F32 ? 0 : CONV_CHUNK * w; }
 
 /* Decode attention of one request's query heads that share kv heads [kh0, kh1): qf [hq * d]
    (f32), its block table and length; writes those heads of out [hq * d]. Scores are q.k * scale
    and the output is sum p v * v_scale, so an fp8 cache's per-layer scales cost nothing (fp8
    callers multiply both by 2^8 first: fp8_row_to_f32_lo's 2^-8). Float32 caches are read in
-   place; others are converted ROWS_CHUNK positions at a time. The scores take 8 positions' K rows
+   place; others are converted CONV_CHUNK positions at a time. The scores take 8 positions' K rows
    at a time (score_rows: they stay in L1 for all the query heads); the softmax's exp is vectorized
-   (vexpf); the output sums 32 floats (AVX-512: 64) in registers for 2 (4) heads per row read. Scratch: rows [ROWS_CHUNK], buf [attend_buf_floats], scores [(kh1 - kh0) * g * len]. */
+   (vexpf); the output sums 32 floats (AVX-512: 64) in registers for 2 (4) heads per row read.
+   Scratch: rows [ROWS_CHUNK], buf [attend_buf_floats], scores [(kh1 - kh0) * g * len]. */
 static void attend_heads(const float *qf, const void *k_cache, const void *v_cache, const int64_t *table, int64_t len,
                          int64_t hq, int64_t hkv, int64_t d, int64_t block_size, int kv_kind, float scale,
                          float v_scale, int64_t kh0, int64_t kh1, float *out, const float **rows, float *buf,
                          float *scores) {
     const int64_t g = hq / hkv, width = hkv * d, w = (kh1 - kh0) * d, nh = (kh1 - kh0) * g, j0 = kh0 * g;
-    for (int64_t c0 = 0; c0 < len; c0 += ROWS_CHUNK) {
-        const int64_t n = len - c0 < ROWS_CHUNK ? len - c0 : ROWS_CHUNK;
-        gather_rows(k_cache, table, c0, n, block_size, width, kh0, d, w, kv_kind, rows, buf);
+    const int64_t chunk = chunk_rows(kv_kind);
+    for (int64_t c0 = 0; c0 < len; c0 += chunk) {
+        const int64_t n = len - c0 < chunk ? len - c0 : chunk;
+        gather_rows(k_cache, table, c0, n, len, block_size, width, kh0, d, w, kv_kind, rows, buf);
         score_rows(qf + j0 * d, rows, n, d, nh, g, scale, scores + c0, len);
     }
     for (int64_t j = 0; j < nh; ++j) {
@@ -316,9 +331,9 @@ static void attend_heads(const float *qf, const void *k_cache, const void *v_cac
         for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
     }
     memset(out + j0 * d, 0, sizeof(float) * nh * d);
-    for (int64_t c0 = 0; c0 < len; c0 += ROWS_CHUNK) {
-        const int64_t n = len - c0 < ROWS_CHUNK ? len - c0 : ROWS_CHUNK;
-        gather_rows(v_cache, table, c0, n, block_size, width, kh0, d, w, kv_kind, rows, buf);
+    for (int64_t c0 = 0; c0 < len; c0 += chunk) {
+        const int64_t n = len - c0 < chunk ? len - c0 : chunk;
+        gather_rows(v_cache, table, c0, n, len, block_size, width, kh0, d, w, kv_kind, rows, buf);
         for (int64_t kh = 0; kh < kh1 - kh0; ++kh)
             weighted_rows(scores + kh * g * len + c0, len, rows, kh * d, n, d, g, out + (j0 + kh * g) * d);
     }
