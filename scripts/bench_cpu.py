@@ -151,7 +151,7 @@ def llama_decode(llm, toks: list[int], n: int, keep: bool = False) -> tuple[floa
         llm.reset()
     t = time.perf_counter()
     count, first = 0, None
-    for _tok in llm.generate(toks, top_k=1, temp=0.0, reset=True):
+    for _tok in llm.generate(toks, top_k=1, temp=0.0):
         count += 1
         first = first or time.perf_counter()
         if count == n:

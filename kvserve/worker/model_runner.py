@@ -17,6 +17,7 @@ from torch import nn
 
 from kvserve.attention import FP8, FP8_MAX, Attention, AttentionMetadata, get_backend, set_attention_backend
 from kvserve.config import resolve_attention_backend
+from kvserve.config_sections import KV_CACHE_DTYPES
 from kvserve.core.kv_connector import KVConnectorWorker
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.distributed.parallel import IntermediateTensors, Parallel
@@ -73,7 +74,7 @@ def kv_dtype_of(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
         return FP8
     if kv_cache_dtype == "bfloat16":
         return torch.bfloat16
-    raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'bfloat16', got {kv_cache_dtype!r}")
+    raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
 
 
 def fp8_kv_scales(amax: torch.Tensor) -> torch.Tensor:

@@ -72,9 +72,11 @@ static inline void load_row(const void *base, int64_t idx, int64_t d, int kind, 
     }
 }
 
-/* The row at element idx of a float32 or bfloat16 cache (kind). */
+/* Bytes per element of a cache of this kind. */
+static inline int64_t kind_bytes(int kind) { return kind == ROW_F32 ? 4 : kind == ROW_BF16 ? 2 : 1; }
+/* The row at element idx of a cache of this kind. */
 static inline const void *cache_row(const void *cache, int kind, int64_t idx) {
-    return kind == ROW_BF16 ? (const void *)((const uint16_t *)cache + idx) : (const void *)((const float *)cache + idx);
+    return (const char *)cache + idx * kind_bytes(kind);
 }
 /* rows[i] = position t0 + i's row (i < n) of kv heads [kh0, kh0 + w / d) as floats: the cache's own
    row for a float32 cache, else converted into buf [n * w]; a conversion also asks for the row n
@@ -83,7 +85,6 @@ static void gather_rows(const void *cache, const int64_t *table, int64_t t0, int
                         int64_t block_size, int64_t width, int64_t kh0, int64_t d, int64_t w, int kind,
                         const float **rows, float *buf) {
     int64_t b = t0 / block_size, o = t0 % block_size;
-    const int64_t bytes = kind == ROW_BF16 ? 2 : 1;
     for (int64_t i = 0; i < n; ++i) {
         const int64_t idx = (table[b] * block_size + o) * width + kh0 * d;
         if (kind == ROW_F32) {
@@ -91,9 +92,9 @@ static void gather_rows(const void *cache, const int64_t *table, int64_t t0, int
         } else {
             const int64_t p = t0 + i + n;
             if (p < len) {
-                const char *next = (const char *)cache
-                                   + ((table[p / block_size] * block_size + p % block_size) * width + kh0 * d) * bytes;
-                for (int64_t c = 0; c < w * bytes; c += 64) __builtin_prefetch(next + c);
+                const char *next = cache_row(cache, kind, (table[p / block_size] * block_size + p % block_size) * width
+                                                          + kh0 * d);
+                for (int64_t c = 0; c < w * kind_bytes(kind); c += 64) __builtin_prefetch(next + c);
             }
             load_row(cache, idx, w, kind, buf + i * w);
             rows[i] = buf + i * w;
