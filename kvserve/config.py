@@ -153,8 +153,10 @@ FLAGS: tuple[Flag, ...] = (
          "no CUDA graphs: decode steps launch their kernels one by one (graphs run on CUDA with the "
          "triton attention backend)", boolean="store_true"),
     Flag("kv_cache_dtype", "cache.kv_cache_dtype",
+         "auto: the model's dtype, and bfloat16 for a float32 model with GGUF/int8/AWQ/GPTQ weights on a CPU; "
          "fp8: KV stored as float8 e4m3 with per-layer scales (about 2x the tokens); bfloat16: KV in 16 bits "
-         "for a float32 model (2x the tokens, half the bytes a long context's decode reads)", choices=KV_CACHE_DTYPES),
+         "for a float32 model (2x the tokens, half the bytes a long context's decode reads); float32: a "
+         "float32 model's KV as computed", choices=KV_CACHE_DTYPES),
     Flag("max_model_len", "model.max_model_len",
          "longest prompt + completion in tokens (default: the model's, at most 8192)", type=int),
     Flag("max_num_seqs", "scheduler.max_num_seqs", "most requests running at once", type=int),

@@ -38,7 +38,7 @@ def parse_size(value: int | str, field: str = "size") -> int:
 
 # Allowed values, shared by the validation below and the flags' choices (engine_args.py).
 DTYPES = ("auto", "bfloat16", "float32", "float16")
-KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float32")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")  # attention/: cpu_backend.py, torch_backend.py, ...
 PREFIX_CACHES = ("hash", "radix")
 # --structured-outputs-backend: kvserve/structured/ (auto: the faster on the CPU path, BENCHMARKS.md)
@@ -160,7 +160,9 @@ class CacheConfig:
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     prefix_cache: str = "hash"  # hash | radix
-    # auto: the model dtype | fp8: float8 e4m3 with per-layer scales | bfloat16 (for a float32 model: half the bytes)
+    # auto: the model dtype, and bfloat16 for a float32 model whose linears run in the float32 CPU
+    # kernels (GGUF, int8, AWQ, GPTQ; model_runner.resolve_kv_cache_dtype) | fp8: float8 e4m3 with
+    # per-layer scales | bfloat16 (for a float32 model: half the bytes) | float32 (a float32 model's K/V as computed)
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

@@ -81,7 +81,8 @@ CONFIGS = {
     "no-prefill-int8": ({}, {"KVSERVE_PREFILL_INT8": "0"}),
     "tuning-off": ({}, {"KVSERVE_KERNEL_TUNING": "off"}),
     "no-decode-stack": ({}, {"KVSERVE_DECODE_STACK": "0"}),
-    "kv-bf16": ({"kv_cache_dtype": "bfloat16"}, {}),
+    "kv-bf16": ({"kv_cache_dtype": "bfloat16"}, {}),  # what "auto" gives a GGUF on a CPU
+    "kv-f32": ({"kv_cache_dtype": "float32"}, {}),  # a GGUF's K/V as computed
     "none-f32": ({"quantization": "none", "dtype": "float32"}, {}),
     "none-bf16": ({"quantization": "none", "dtype": "bfloat16"}, {}),
     "int8-f32": ({"quantization": "int8", "dtype": "float32"}, {}),

@@ -71,11 +71,12 @@ class AttentionBackend(ABC):
     name: str = ""
 
     def tune(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-             bf16_products: bool = False) -> None:
-        """Make the choices that depend on the model's attention shapes (heads of one rank) and the
-        cache's dtype, once, before the first forward: by measuring, where a backend has choices.
-        bf16_products: prefill attention may take its dot products in bfloat16 (the model's prefill
-        linears already round activations to int8 codes, a coarser rounding)."""
+             bf16_products: bool = False, kv_dtype: torch.dtype | None = None) -> None:
+        """Make the choices that depend on the model's attention shapes (heads of one rank), its
+        dtype and the cache's (kv_dtype, default dtype), once, before the first forward: by
+        measuring, where a backend has choices. bf16_products: prefill attention may take its dot
+        products in bfloat16 (the model's prefill linears already round activations to int8 codes,
+        a coarser rounding)."""
 
     @abstractmethod
     def forward(

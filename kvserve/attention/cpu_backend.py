@@ -27,25 +27,27 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.prefill_bf16 = False  # its dot products in bfloat16 (`tune`, where allowed and measured faster)
 
     def tune(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-             bf16_products: bool = False) -> None:
+             bf16_products: bool = False, kv_dtype: torch.dtype | None = None) -> None:
+        kv_dtype = kv_dtype or dtype
         probe = torch.empty(1, num_heads, head_dim, dtype=dtype)
-        if not paged_attention.supports_prefill(probe, probe):
+        if not paged_attention.supports_prefill(probe, probe.to(kv_dtype)):
             return
         bf16 = bf16_products and paged_attention.bf16_products()
-        chosen = tuning.choose_prefill_attention([num_heads, num_kv_heads, head_dim, str(dtype)] + ["bf16"] * bf16,
-                                                 "paged_attention.c",
+        shape = [num_heads, num_kv_heads, head_dim, str(dtype)] + [f"kv {kv_dtype}"] * (kv_dtype != dtype)
+        chosen = tuning.choose_prefill_attention(shape + ["bf16"] * bf16, "paged_attention.c",
                                                  lambda q, n: self._prefill_candidates(num_heads, num_kv_heads,
-                                                                                       head_dim, dtype, bf16, q, n))
+                                                                                       head_dim, dtype, kv_dtype,
+                                                                                       bf16, q, n))
         self.prefill_kernel, self.prefill_bf16 = chosen != "sdpa", chosen == "kernel_bf16"
 
-    def _prefill_candidates(self, hq: int, hkv: int, d: int, dtype: torch.dtype, bf16: bool, q_len: int,
-                            length: int) -> dict:
+    def _prefill_candidates(self, hq: int, hkv: int, d: int, dtype: torch.dtype, kv_dtype: torch.dtype, bf16: bool,
+                            q_len: int, length: int) -> dict:
         """The prefill paths for one request's chunk of q_len tokens ending a context of `length`:
         this backend's (the kernel; with bf16, also the kernel with bfloat16 products) and the torch
-        backend's (gather, then SDPA), on random values."""
+        backend's (gather, then SDPA), on random values; the cache in kv_dtype."""
         bs = 16
         g = torch.Generator().manual_seed(0)
-        kc, vc = (torch.randn(-(-length // bs), bs, hkv, d, generator=g).to(dtype) for _ in range(2))
+        kc, vc = (torch.randn(-(-length // bs), bs, hkv, d, generator=g).to(kv_dtype) for _ in range(2))
         q = torch.randn(q_len, hq, d, generator=g).to(dtype)
         out = torch.empty_like(q)
         meta = AttentionMetadata(num_decodes=0, query_start_loc=[0, q_len], seq_lens=[length],

@@ -35,7 +35,7 @@ from kvserve.sampling_params import PREDICTION, SamplingParams
 from kvserve.spec_decode.proposer import SpecDecodeProposer, check_prediction
 from kvserve.structured import StructuredOutputManager
 from kvserve.worker.kv_blocks import whole_block_shape
-from kvserve.worker.model_runner import ModelRunnerOutput, kv_bytes_per_block, kv_dtype_of
+from kvserve.worker.model_runner import ModelRunnerOutput, kv_bytes_per_block, kv_dtype_of, resolve_kv_cache_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +62,13 @@ class EngineCore:
         check_parallel(ckpt.config, config.parallel)
         self.config = config
         self.model_config = model_config
-        self.cache_config = cache_config
         self.hf_config = ckpt.config
         self.tokenizer = ckpt.tokenizer()
-        self.dtype = resolve_dtype(model_config.dtype, device, ckpt.config,
-                                   runs_float32_kernels(ckpt, model_config.quantization))
+        float32_kernels = runs_float32_kernels(ckpt, model_config.quantization)
+        self.dtype = resolve_dtype(model_config.dtype, device, ckpt.config, float32_kernels)
+        # kv_cache_dtype 'auto' decided once; the ranks get it so (like dtype below)
+        self.cache_config = cache_config = dataclasses.replace(cache_config, kv_cache_dtype=resolve_kv_cache_dtype(
+            cache_config.kv_cache_dtype, self.dtype, float32_kernels, device))
         self.model_path = str(ckpt.path.resolve())
         self.max_model_len = self._max_model_len(model_config.max_model_len)
         self.vocab_size = self.hf_config.vocab_size
@@ -83,7 +85,8 @@ class EngineCore:
         # Ranks get the dtype (auto is measured once, not once per rank) and max_model_len resolved here.
         resolved = dataclasses.replace(model_config, dtype=str(self.dtype).removeprefix("torch."),
                                        max_model_len=self.max_model_len)
-        self.executor = Executor.create(dataclasses.replace(config, model=resolved), num_blocks, calibration,
+        self.executor = Executor.create(dataclasses.replace(config, model=resolved, cache=cache_config), num_blocks,
+                                        calibration,
                                         self.eos_token_id)
         self.thread_policy = threads.policy_for(config)  # None: a fixed count (--cpu-threads, ranks elsewhere)
         info = self.executor.collective_rpc("model_info")

@@ -65,11 +65,30 @@ class _ReqState:
 KV_SCALE_MARGIN = 2.0
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, float32_kernels: bool,
+                           device: torch.device | str = "cpu") -> str:
+    """kv_cache_dtype with 'auto' decided for a model (the engine does this once; its ranks get the
+    result): 'bfloat16' for a float32 model on a CPU whose linears run compressed in the float32 kernels
+    (`loader.runs_float32_kernels`: GGUF, int8, AWQ, GPTQ weights), whose float32 is the kernels'
+    arithmetic, not the weights' precision (~4-8 bits); as llama.cpp and vLLM keep such a model's
+    K/V in 16 bits, at half the bytes a long context's decode reads. 'float32' keeps them as
+    computed. Otherwise 'auto' stays the model's dtype."""
+    if (kv_cache_dtype == "auto" and float32_kernels and model_dtype == torch.float32
+            and torch.device(device).type == "cpu"):
+        return "bfloat16"
+    return kv_cache_dtype
+
+
 def kv_dtype_of(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the KV tensors are stored in: the model's ('auto'), float8 e4m3fn ('fp8') or
+    """The dtype the KV tensors are stored in: the model's ('auto'; see resolve_kv_cache_dtype for
+    the engine's choice), float32 ('float32', of a float32 model), float8 e4m3fn ('fp8') or
     bfloat16 ('bfloat16': K/V rounded to 8 significant bits when written, computed in the model's)."""
     if kv_cache_dtype == "auto":
         return model_dtype
+    if kv_cache_dtype == "float32":
+        if model_dtype != torch.float32:
+            raise ValueError(f"kv_cache_dtype='float32' needs a float32 model (dtype), not {model_dtype}")
+        return torch.float32
     if kv_cache_dtype == "fp8":
         return FP8
     if kv_cache_dtype == "bfloat16":
@@ -147,12 +166,13 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_dtype = kv_dtype_of(kv_cache_dtype, dtype)
         attn = next((m for m in model.modules() if isinstance(m, Attention)), None)
-        if attn is not None and self.kv_dtype == dtype:  # the backend's shape-dependent choices (prefill kernel)
+        if attn is not None:  # the backend's shape-dependent choices (prefill kernel)
             # bfloat16 products in prefill attention only where the prefill's linears already take int8
             # activation codes (tuning.tune_linears ran before): their rounding is the coarser
             # (BENCHMARKS.md: no measurable change in logprobs beside it).
             int8_prefill = any(getattr(m, "prefill_int8", False) for m in model.modules())
-            self.attention_backend.tune(attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype, int8_prefill)
+            self.attention_backend.tune(attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype, int8_prefill,
+                                        self.kv_dtype)
         start, end = self.parallel.layer_range(hf_config.num_hidden_layers)
         # The model's decoder layers, and those of this pipeline stage [start, end) (kv_caches[i - start]).
         self.num_layers, self.layer_range = hf_config.num_hidden_layers, (start, end)

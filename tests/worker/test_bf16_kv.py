@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve import SamplingParams
-from kvserve.worker.model_runner import kv_bytes_per_block
+from kvserve import LLM, SamplingParams
+from kvserve.worker.model_runner import kv_bytes_per_block, resolve_kv_cache_dtype
 from tests.worker.kv_dtype_common import BS, assert_greedy_close
 from tests.worker.kv_dtype_common import engine as _llm
 from tests.worker.kv_dtype_common import prompt_logprobs as _prompt_logprobs
@@ -93,5 +93,34 @@ def test_prefix_cache_chunked_prefill_and_preemption(model_dir):
 
 
 def test_an_unknown_kv_cache_dtype_is_refused_by_name(model_dir):
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, bfloat16, got 'float16'"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, bfloat16, float32, got 'float16'"):
         _llm(model_dir, "float16")
+
+
+def test_float32_kv_needs_a_float32_model(model_dir):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='float32' needs a float32 model \(dtype\)"):
+        _llm(model_dir, "float32", dtype="bfloat16")
+
+
+@pytest.mark.parametrize("kv,dtype,kernels,device,want", [
+    ("auto", torch.float32, True, "cpu", "bfloat16"),  # GGUF / int8 / AWQ / GPTQ linears in float32 kernels
+    ("auto", torch.float32, False, "cpu", "auto"),  # a float32 model: its K/V as computed
+    ("auto", torch.bfloat16, True, "cpu", "auto"),  # already 16 bits
+    ("auto", torch.float32, True, "cuda", "auto"),  # the GPU kernels take the model's dtype
+    ("float32", torch.float32, True, "cpu", "float32"),
+    ("fp8", torch.float32, True, "cpu", "fp8"),
+])
+def test_auto_is_bfloat16_for_float32_kernels_on_a_cpu(kv, dtype, kernels, device, want):
+    assert resolve_kv_cache_dtype(kv, dtype, kernels, device) == want
+
+
+def test_a_gguf_keeps_bfloat16_kv_by_default_and_float32_on_request():
+    """The engine decides 'auto' once and its rank allocates that cache; 'float32' keeps K/V as computed."""
+    for kv, want in (("auto", torch.bfloat16), ("float32", torch.float32)):
+        llm = LLM(dtype="float32", kv_cache_dtype=kv, num_kv_blocks=8)  # the default model: a GGUF
+        runner = llm.engine.executor.worker.runner
+        assert llm.engine.kv_dtype == runner.kv_dtype == want
+        assert all(c.dtype == want for pair in runner.kv_caches for c in pair)
+        assert llm.engine.cache_config.kv_cache_dtype == ("bfloat16" if kv == "auto" else "float32")
+        out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4

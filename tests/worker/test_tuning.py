@@ -698,3 +698,34 @@ def test_prefill_attention_offers_bf16_products_only_where_allowed(cache, monkey
     assert clock.count[f"kernel_bf16@attention {long}"] == evidence.ROUNDS
     calls = prefill_kernel_calls(backend, monkeypatch)
     assert len(calls) == 1 and calls[0][-1] is True  # bf16=True
+
+
+def test_prefill_attention_is_measured_over_the_cache_dtype(cache, monkeypatch):
+    """A float32 model with a bfloat16 cache (a GGUF's default K/V) times its candidates over
+    bfloat16 caches, as its own decision: a float32 cache's is not taken for it."""
+    from kvserve.attention import get_backend
+    from kvserve.kernels import paged_attention
+
+    probe = torch.empty(1, 8, 64)
+    if not paged_attention.supports_prefill(probe, probe.bfloat16()):
+        pytest.skip("no prefill kernel at this ISA level: nothing to choose")
+    short, long = (f"{q}x{n}" for q, n in tuning.ATTENTION_CASES)
+    clock = use_clock(monkeypatch, attention_clock({"kernel": {short: 0.010, long: 0.040},
+                                                    "sdpa": {short: 0.020, long: 0.060}}))
+    backend = get_backend("cpu")
+    seen = []
+    candidates = backend._prefill_candidates
+
+    def spy(hq, hkv, d, dtype, kv_dtype, bf16, q_len, length):
+        made = candidates(hq, hkv, d, dtype, kv_dtype, bf16, q_len, length)
+        seen.append((dtype, kv_dtype))
+        return made
+
+    monkeypatch.setattr(backend, "_prefill_candidates", spy)
+    backend.tune(8, 2, 64, torch.float32)
+    measured = clock.count[f"kernel@attention {long}"]
+    assert measured == evidence.ROUNDS and set(seen) == {(torch.float32, torch.float32)}
+    seen.clear()
+    backend.tune(8, 2, 64, torch.float32, kv_dtype=torch.bfloat16)
+    assert clock.count[f"kernel@attention {long}"] == 2 * measured  # measured again, not the float32 cache's
+    assert set(seen) == {(torch.float32, torch.bfloat16)} and backend.prefill_kernel
