@@ -86,8 +86,7 @@ class EngineCore:
         resolved = dataclasses.replace(model_config, dtype=str(self.dtype).removeprefix("torch."),
                                        max_model_len=self.max_model_len)
         self.executor = Executor.create(dataclasses.replace(config, model=resolved, cache=cache_config), num_blocks,
-                                        calibration,
-                                        self.eos_token_id)
+                                        calibration, self.eos_token_id)
         self.thread_policy = threads.policy_for(config)  # None: a fixed count (--cpu-threads, ranks elsewhere)
         info = self.executor.collective_rpc("model_info")
         self.quantization = info[0]["quantization"]
