@@ -78,6 +78,7 @@ CONFIGS = {
     "f32": ({"dtype": "float32"}, {}),
     "bf16": ({"dtype": "bfloat16"}, {}),
     "int8-activations": ({}, {"KVSERVE_INT8_ACTIVATIONS": "1"}),
+    "int16-activations": ({}, {"KVSERVE_INT8_ACTIVATIONS": "0"}),  # int8 never a decode candidate
     "no-prefill-int8": ({}, {"KVSERVE_PREFILL_INT8": "0"}),
     "tuning-off": ({}, {"KVSERVE_KERNEL_TUNING": "off"}),
     "no-decode-stack": ({}, {"KVSERVE_DECODE_STACK": "0"}),
@@ -86,6 +87,7 @@ CONFIGS = {
     "none-f32": ({"quantization": "none", "dtype": "float32"}, {}),
     "none-bf16": ({"quantization": "none", "dtype": "bfloat16"}, {}),
     "int8-f32": ({"quantization": "int8", "dtype": "float32"}, {}),
+    "thp": ({}, {"THP_MEM_ALLOC_ENABLE": "1"}),  # torch's CPU allocations on transparent huge pages
 }
 
 

@@ -35,7 +35,8 @@ them, AVX-512VL+VNNI or AVX-VNNI) and a plain C body elsewhere:
     4-bit rows (below) each block is unpacked once for 8 tokens and, on AVX-512 VNNI, two groups
     share a 512-bit register: ~1.9x the int16 kernel and ~1.9x a bfloat16 dense matmul at 256
     tokens (Zen 4), which is why tuning may give prefill-sized batches to it (tuning.PREFILL_INT8)
-    while decode runs int16; as a decode mode it is opt-in (tuning.INT8_ENV).
+    while decode runs int16; as a decode mode it is a candidate where the kernels lack VNNI, or
+    with tuning.INT8_ENV (tuning.int8_allowed).
 `dequantize` writes W as float32 for the dense path (when tuning finds MKL faster).
 
 Interleaved (`relayout`, for weights that run with int16 activations, or 4-bit ones with int8, and

@@ -9,7 +9,8 @@ linears' keys also hold the kernels' source, so a changed kernel is measured aga
   hidden x intermediate shape at a decode-sized (1 row) and a prefill-sized (256 rows) batch;
   float32 without measuring when the linears stay compressed in the float32 kernels.
 - `tune_linears` (after loading, for linears stored as Blocks): int8 or float32 activations for
-  the quantized kernel (int8 only with KVSERVE_INT8_ACTIVATIONS=1); per weight shape the batch
+  the quantized kernel (int8 where the C kernels lack VNNI, or with KVSERVE_INT8_ACTIVATIONS=1,
+  and then only INT8_GAIN faster than int16); per weight shape the batch
   size from which dequantizing and one dense matmul beat the kernel (`dense_from`); and, for a
   float32 model on a CPU with bfloat16 arithmetic, whether that dense (prefill) matmul runs in
   bfloat16 (`dense_dtype`), so decode and prefill each get their own measured choice; or, for
@@ -65,15 +66,33 @@ ACT_GAIN = 1.1
 # The /proc/cpuinfo flags of native arithmetic for each 16-bit dtype.
 NATIVE = {"bfloat16": frozenset({"avx512_bf16", "amx_bf16"}), "float16": frozenset({"avx512_fp16", "amx_fp16"})}
 TUNING_ENV = "KVSERVE_KERNEL_TUNING"  # "off": no measuring; float32 activations, the defaults above
-# "1": int8 activations are a candidate. Off by default: within perplexity bounds (+0.35% on the
-# default model) but they turned the default model's greedy answer to a plain chat question wrong.
+# "1": int8 activations are a decode candidate on every CPU, "0": on none. Unset: where the C
+# kernels have no VNNI (INT8_DEFAULT_LEVELS). There int16 codes cost twice int8's byte products
+# (vpmaddubsw) plus the adds that widen them, and a one-token step is bound by those instructions
+# whenever the memory keeps up: a 1.1B Q4_K_M decoded 47.4 tok/s on int16 codes and 55.2 on int8
+# under the AVX2 build (Zen 4, the memory fast; BENCHMARKS.md), as llama.cpp's int8 activations do.
+# With VNNI the int16 codes' extra products are one more vpdpbusd each and their decode ran within 3%
+# of int8's, so int16 (relative error ~2e-5 against int8's ~5e-3; +0.35% perplexity on the default
+# model) stays.
 INT8_ENV = "KVSERVE_INT8_ACTIVATIONS"
+# The C kernels' ISA levels (cpu.LEVELS) where int8 decode activations are a candidate by default.
+INT8_DEFAULT_LEVELS = frozenset({"avx2", "avx512"})
+# int8 over int16 activations: both quantize, but int8 costs ~250x the rounding error, so it must win
+# by this much more than int16 must over float32 (ACT_GAIN)
+INT8_GAIN = 1.1
 # "0": prefill-sized batches never take int8 codes (PREFILL_INT8); by default they do where measured faster
 PREFILL_INT8_ENV = "KVSERVE_PREFILL_INT8"
 
 
 def int8_allowed() -> bool:
-    return os.environ.get(INT8_ENV, "0") == "1"
+    """Whether int8 activations are a decode candidate: INT8_ENV "1" / "0", else by the C kernels'
+    ISA level (INT8_DEFAULT_LEVELS)."""
+    value = os.environ.get(INT8_ENV, "").strip().lower()
+    if value in ("1", "on"):
+        return True
+    if value in ("0", "off"):
+        return False
+    return cpu.isa_level() in INT8_DEFAULT_LEVELS
 
 
 def prefill_int8_allowed() -> bool:
@@ -180,7 +199,7 @@ def _path_gain(path: str, rows: int, flags: frozenset[str]) -> float:
     at decode-sized batches read 4-8x the bytes of the compressed kernel, so a reading there that
     favours them is suspect."""
     if not path.startswith("dense"):
-        return 1.0 if path == "float32" else ACT_GAIN
+        return 1.0 if path == "float32" else ACT_GAIN * INT8_GAIN if path == "int8" else ACT_GAIN
     g = SMALL_DENSE_GAIN if rows <= SMALL_BATCH else 1.0
     return g * gain("bfloat16", flags) if path == "dense_bf16" else g
 
@@ -225,7 +244,8 @@ def choose(times: dict, counts: dict[str, int], allow_int8: bool = True, flags: 
     counts[shape]: how many linears have that shape; flags: the CPU's.
 
     Activations: the mode in which the model's linears at DECODE_ROWS take the least time, a
-    quantized one only when ACT_GAIN times faster than float32 (int8 only when allowed).
+    quantized one only when ACT_GAIN times faster than float32, int8 (only when allowed) also
+    INT8_GAIN times faster than int16.
     dense_dtype[shape]: `_dense_dtype`. dense_from[shape]: the smallest measured batch size from
     which the dense path (in that dtype) is at least as fast as the kernel at it and every larger
     size measured (SMALL_DENSE_GAIN times faster up to SMALL_BATCH rows; in bfloat16 never below

@@ -344,6 +344,30 @@ def test_choose_takes_the_faster_path_per_shape():
     assert tuning.choose(near, {"a": 1, "b": 1, "c": 1})["activations"] == "int16"
 
 
+def test_int8_over_int16_needs_its_own_margin():
+    """int8 and int16 both quantize, but int8 rounds ~250x coarser: it must beat int16 by INT8_GAIN."""
+    times = {"s": _times({8: 9.0}, {8: 1.0}, 1.0, 2.0)}
+    times["s"]["int16"] = {"1": 1.0 * tuning.INT8_GAIN * 0.98, "8": 1.0}  # int8 a bit faster: a tie
+    assert tuning.choose(times, {"s": 1})["activations"] == "int16"
+    times["s"]["int16"]["1"] = 1.0 * tuning.INT8_GAIN * 1.05
+    assert tuning.choose(times, {"s": 1})["activations"] == "int8"
+    assert tuning.choose(times, {"s": 1}, allow_int8=False)["activations"] == "int16"
+
+
+@pytest.mark.parametrize("level,allowed", [("avx2", True), ("avx512", True), ("avx512_vnni", False),
+                                           ("avx_vnni", False), ("generic", False)])
+def test_int8_decode_activations_by_default_where_the_kernels_lack_vnni(level, allowed, monkeypatch):
+    """Without VNNI int16 codes cost twice int8's byte products (a one-token step is bound by them when
+    the memory keeps up): int8 is a candidate there by default; KVSERVE_INT8_ACTIVATIONS decides
+    everywhere when set."""
+    monkeypatch.setattr(cpu, "isa_level", lambda: level)
+    monkeypatch.delenv(tuning.INT8_ENV, raising=False)
+    assert tuning.int8_allowed() is allowed
+    for value, want in (("1", True), ("on", True), ("0", False), ("off", False), ("", allowed)):
+        monkeypatch.setenv(tuning.INT8_ENV, value)
+        assert tuning.int8_allowed() is want
+
+
 def test_dense_over_the_kernel_at_small_batches_and_bf16_dense_need_margins():
     # dense 1.25x faster than the kernel from 4 rows on: enough at 16, not at 4 or 8 (decode-sized)
     t = _times({4: 0.8, 8: 0.8, 16: 0.8}, {4: 1.0, 8: 1.0, 16: 1.0}, 1.0, 2.0)

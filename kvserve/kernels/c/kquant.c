@@ -191,8 +191,11 @@ static inline __m256i kq_dot(__m256i lo, __m256i hi, const int16_t *xv) {
 #ifndef KQ_AHEAD
 #define KQ_AHEAD 8192
 #endif
+#ifndef KQ_HINT
+#define KQ_HINT _MM_HINT_T1
+#endif
 static inline void kq_prefetch(const uint8_t *blk) {
-    for (int o = 0; o < 256; o += 64) _mm_prefetch((const char *)blk + KQ_AHEAD + o, _MM_HINT_T1);
+    for (int o = 0; o < 256; o += 64) _mm_prefetch((const char *)blk + KQ_AHEAD + o, KQ_HINT);
 }
 /* A Q6_K super-block's d sc[i] for the sub-blocks 8h..8h+7 of half h. */
 static inline __m256 kq_q6k_scales(const uint8_t *blk, int h) {
@@ -429,7 +432,7 @@ static inline __attribute__((always_inline)) void kq_q6i_tile(
     for (int t = 0; t < T; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; ++sb) {
         const uint8_t *o = wg + sb * KQ_Q6I_BYTES;
-        for (int off = 0; off < KQ_Q6I_BYTES; off += 64) _mm_prefetch((const char *)o + KQ_AHEAD + off, _MM_HINT_T1);
+        for (int off = 0; off < KQ_Q6I_BYTES; off += 64) _mm_prefetch((const char *)o + KQ_AHEAD + off, KQ_HINT);
         const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + KQ_Q6I_D)));
         for (int j = 0; j < 8; ++j) {
             const int64_t b = sb * 8 + j;

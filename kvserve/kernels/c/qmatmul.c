@@ -129,8 +129,11 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
    builds alternating process by process); standalone, Q4_K groups from DRAM +3-10%. And from
    IL_AHEAD bytes ahead, not 4 KB: one token against 143 MB of 4-bit weights from DRAM, 2 threads, the
    two builds alternating in one process (Zen 4): Q4_0's form +4% and +14% (two sittings), Q4_K's
-   factored +10%; under the AVX2 build +2-3%. 6, 16 and 32 KB measured as 8 (2 KB: -19%). */
+   factored +10%; under the AVX2 build +2-3%. 6, 16 and 32 KB measured as 8 (2 KB: -19%). Non-temporal
+   (NTA) hints here and in kquant.c: 1.1B Q4_K_M decode 0.92x (Zen 4, scripts/ab_decode_stack.py). */
+#ifndef IL_HINT
 #define IL_HINT _MM_HINT_T1
+#endif
 #ifndef IL_AHEAD  /* (scripts/ab_decode_stack.py may set it) */
 #define IL_AHEAD 8192
 #endif
