@@ -190,6 +190,7 @@ def run_ppl(model: str | None = None, dataset: str = "sharegpt", max_tokens: int
     nll = total / count
     return PplResult(model=llm.engine.model_path, dataset=dataset, quantization=llm.engine.quantization,
                      weight_bytes=llm.engine.weight_bytes,
-                     dtype=str(llm.engine.dtype).removeprefix("torch."), kv_cache_dtype=llm.engine.cache_config.kv_cache_dtype,  # 'auto' decided
+                     dtype=str(llm.engine.dtype).removeprefix("torch."),
+                     kv_cache_dtype=llm.engine.cache_config.kv_cache_dtype,  # 'auto' as the engine decided it
                      num_tokens=len(ids), window=window, stride=stride, num_windows=num_windows,
                      tokens_scored=count, mean_nll=nll, ppl=math.exp(nll), elapsed_s=elapsed)

@@ -84,19 +84,21 @@ INT8_GAIN = 1.1
 PREFILL_INT8_ENV = "KVSERVE_PREFILL_INT8"
 
 
+def _switch(name: str) -> bool | None:
+    """An on/off environment variable: True for "1" / "on", False for "0" / "off", else None."""
+    value = os.environ.get(name, "").strip().lower()
+    return True if value in ("1", "on") else False if value in ("0", "off") else None
+
+
 def int8_allowed() -> bool:
     """Whether int8 activations are a decode candidate: INT8_ENV "1" / "0", else by the C kernels'
     ISA level (INT8_DEFAULT_LEVELS)."""
-    value = os.environ.get(INT8_ENV, "").strip().lower()
-    if value in ("1", "on"):
-        return True
-    if value in ("0", "off"):
-        return False
-    return cpu.isa_level() in INT8_DEFAULT_LEVELS
+    switch = _switch(INT8_ENV)
+    return cpu.isa_level() in INT8_DEFAULT_LEVELS if switch is None else switch
 
 
 def prefill_int8_allowed() -> bool:
-    return os.environ.get(PREFILL_INT8_ENV, "1").lower() not in ("0", "off")
+    return _switch(PREFILL_INT8_ENV) is not False
 
 
 def enabled() -> bool:
@@ -198,8 +200,12 @@ def _path_gain(path: str, rows: int, flags: frozenset[str]) -> float:
     """The margin a path must win by at `rows` (ACT_GAIN for quantized activations): the dense paths
     at decode-sized batches read 4-8x the bytes of the compressed kernel, so a reading there that
     favours them is suspect."""
+    if path == "float32":
+        return 1.0
+    if path == "int8":
+        return ACT_GAIN * INT8_GAIN
     if not path.startswith("dense"):
-        return 1.0 if path == "float32" else ACT_GAIN * INT8_GAIN if path == "int8" else ACT_GAIN
+        return ACT_GAIN
     g = SMALL_DENSE_GAIN if rows <= SMALL_BATCH else 1.0
     return g * gain("bfloat16", flags) if path == "dense_bf16" else g
 
