@@ -43,6 +43,8 @@ but an untied token table, of which a token reads one row) with the same threads
 decode would reach if a token cost nothing but reading its weights once. Every engine's reply is
 also given as a share of that read in the same pass (`x pure read`): how far each is from the
 memory's limit at that moment, and so what ratio between the two engines the memory leaves room for.
+The ratios to llama.cpp are also printed for the passes whose read was at or above the run's
+median read and for the rest: a VM's memory can switch speed within minutes, and the ratio with it.
 
 --context N: decode after N tokens of ShareGPT text instead of the short prompt, in the rounds and
 the paired replies, so attention over a long context is part of every step. Each engine computes
@@ -338,11 +340,17 @@ def _label(name: str) -> str:
 def paired_summary(passes: list[dict[str, dict]], configs: list[str]) -> dict:
     """--paired's passes as each engine's median rates, each configuration's median ratio to
     llama.cpp and each engine's to the pure read (when the passes have one) over the passes (a
-    pass's replies against each other, never across passes)."""
-    out: dict = {"passes": passes, "medians": {}, "vs_llama_cpp": {}, "vs_read": {}}
+    pass's replies against each other, never across passes).
 
-    def ratio(name: str, base: str) -> dict:
-        return {key: _median([p[name][key] / p[base][key] for p in passes if p[name][key] and p[base][key]])
+    With the pure read, the ratios to llama.cpp also come split by the memory's speed in each pass
+    (`by_read`): the passes whose read was at least the run's median read, and the others. A VM's
+    memory can switch between two speeds within minutes (BENCHMARKS.md, issue 30), and the engines'
+    ratio follows it: when the memory is fast both are bound by their arithmetic, when it is slow
+    both wait on it; one median over a mix of the two says little about either."""
+    out: dict = {"passes": passes, "medians": {}, "vs_llama_cpp": {}, "vs_read": {}, "by_read": {}}
+
+    def ratio(name: str, base: str, among: list[dict[str, dict]] = passes) -> dict:
+        return {key: _median([p[name][key] / p[base][key] for p in among if p[name][key] and p[base][key]])
                 for key in RATED}
     for name in passes[0]:
         out["medians"][name] = {key: _median([p[name][key] for p in passes]) for key in RATED}
@@ -350,6 +358,14 @@ def paired_summary(passes: list[dict[str, dict]], configs: list[str]) -> dict:
         out["vs_llama_cpp"][name] = ratio(name, "llama.cpp")
     if READ in passes[0]:
         out["vs_read"] = {name: ratio(name, READ)["decode_only_tok_s"] for name in passes[0] if name != READ}
+        mid = _median([p[READ]["decode_only_tok_s"] for p in passes])
+        halves = {"read at or above its median": [p for p in passes if p[READ]["decode_only_tok_s"] >= mid],
+                  "read below its median": [p for p in passes if p[READ]["decode_only_tok_s"] < mid]}
+        out["by_read"] = {half: {"passes": len(among),
+                                 "read_tok_s": _median([p[READ]["decode_only_tok_s"] for p in among]),
+                                 "vs_llama_cpp": {name: ratio(name, "llama.cpp", among)["decode_only_tok_s"]
+                                                  for name in configs}}
+                          for half, among in halves.items() if among}
     return out
 
 
@@ -453,6 +469,10 @@ def print_table(results: dict) -> None:
                   f"{_fmt(q['decode_only_tok_s'], '11.2f')}", flush=True)
         for name, q in paired.get("vs_read", {}).items():
             print(f"{'x pure read of the weights: ' + _label(name):44s} {'':12s} {_fmt(q, '11.2f')}", flush=True)
+        for half, h in paired.get("by_read", {}).items():
+            print(f"passes with the {half} ({h['passes']}, read {_fmt(h['read_tok_s'], '.1f')} tok/s):")
+            for name, q in h["vs_llama_cpp"].items():
+                print(f"{'  x llama.cpp: kvserve ' + name:44s} {'':12s} {_fmt(q, '11.2f')}", flush=True)
 
 
 def main() -> None:

@@ -92,7 +92,28 @@ def test_paired_shares_of_the_pure_read_are_taken_within_each_pass(bench, capsys
     text = _paired_table(bench, out, capsys)
     assert "x pure read of the weights: kvserve default" in text and "x pure read of the weights: llama.cpp" in text
     # without the read (older results), no shares
-    assert bench.paired_summary([{"default": r(1.0), "llama.cpp": r(1.0)}], ["default"])["vs_read"] == {}
+    bare = bench.paired_summary([{"default": r(1.0), "llama.cpp": r(1.0)}], ["default"])
+    assert bare["vs_read"] == {} and bare["by_read"] == {}
+
+
+def test_paired_ratios_split_by_the_memory_speed_of_each_pass(bench, capsys):
+    """The ratios to llama.cpp are also given for the passes whose pure read was at least the run's
+    median read and for the others: a machine whose memory switches speed moves the ratio with it."""
+    def r(rate):
+        return {"decode_tok_s": rate, "decode_only_tok_s": rate}
+    passes = [{"default": r(60.0), "llama.cpp": r(48.0), bench.READ: r(90.0)},   # fast: 1.25
+              {"default": r(46.0), "llama.cpp": r(44.0), bench.READ: r(53.0)},   # slow: ~1.045
+              {"default": r(58.0), "llama.cpp": r(50.0), bench.READ: r(85.0)},   # fast: 1.16
+              {"default": r(45.0), "llama.cpp": r(45.0), bench.READ: r(52.0)}]   # slow: 1.0
+    out = bench.paired_summary(passes, ["default"])["by_read"]
+    fast, slow = out["read at or above its median"], out["read below its median"]
+    assert fast["passes"] == 2 and slow["passes"] == 2
+    assert fast["read_tok_s"] == pytest.approx(87.5) and slow["read_tok_s"] == pytest.approx(52.5)
+    assert fast["vs_llama_cpp"]["default"] == pytest.approx((1.25 + 1.16) / 2)
+    assert slow["vs_llama_cpp"]["default"] == pytest.approx((46 / 44 + 1.0) / 2)
+    text = _paired_table(bench, bench.paired_summary(passes, ["default"]), capsys)
+    assert "passes with the read at or above its median (2, read 87.5 tok/s):" in text
+    assert "passes with the read below its median (2, read 52.5 tok/s):" in text
 
 
 @pytest.mark.parametrize("tied", [False, True])
