@@ -129,13 +129,17 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
    builds alternating process by process); standalone, Q4_K groups from DRAM +3-10%. And from
    IL_AHEAD bytes ahead, not 4 KB: one token against 143 MB of 4-bit weights from DRAM, 2 threads, the
    two builds alternating in one process (Zen 4): Q4_0's form +4% and +14% (two sittings), Q4_K's
-   factored +10%; under the AVX2 build +2-3%. 6, 16 and 32 KB measured as 8 (2 KB: -19%). Non-temporal
-   (NTA) hints here and in kquant.c: 1.1B Q4_K_M decode 0.92x (Zen 4, scripts/ab_decode_stack.py). */
+   factored +10%; under the AVX2 build +2-3%. 6, 16 and 32 KB measured as 8 (2 KB: -19%). End to end
+   at the slower of the Zen 4 VM's two memory speeds, 6 KB here and for KQ_AHEAD against 8 KB (the
+   decode stack's builds alternating reply by reply, scripts/ab_decode_stack.py, each against a
+   second 8 KB build): 1.1B Q4_K_M +1.8% (60 replies), +1.5-3.7% (16-24), 1.1B Q4_0 +4%, 3B Q4_K_M
+   +5%, the AVX2 build +1.4%; 4 KB 0.97x, 12 KB 0.97x. Non-temporal (NTA) hints here and in kquant.c:
+   1.1B Q4_K_M decode 0.92x (Zen 4, scripts/ab_decode_stack.py). */
 #ifndef IL_HINT
 #define IL_HINT _MM_HINT_T1
 #endif
 #ifndef IL_AHEAD  /* (scripts/ab_decode_stack.py may set it) */
-#define IL_AHEAD 8192
+#define IL_AHEAD 6144
 #endif
 static inline void prefetch_ahead(const uint8_t *row, int64_t row_bytes) {
     for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)row + PREFETCH_AHEAD + o, _MM_HINT_T0);
