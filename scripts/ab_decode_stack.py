@@ -8,8 +8,8 @@ kernel constant or flag that a machine whose speed moves within minutes cannot f
 The engine loads once; its decode stack is built again with each variant's compiler flags (any
 `-D` of a constant the C sources guard with #ifndef: IL_AHEAD, PREFETCH_AHEAD, KQ_AHEAD, the
 prefetch hints IL_HINT and KQ_HINT, LIN_PIECES_PER_THREAD) and the builds take turns, one greedy
-reply each, the order reversed every pass (ABBA); --context N decodes after N tokens of ShareGPT text (attention's share of a step).
-A second build of the default flags runs too, as the control: its ratio shows the
+reply each, the order reversed every pass (ABBA); --context N decodes after N tokens of ShareGPT
+text (attention's share of a step). A second build of the default flags runs too, as the control: its ratio shows the
 noise. Printed per build: the median decode-only tok/s, the median over passes of its reply's rate
 over the default build's in the same pass, and whether its tokens equal the default's.
 """

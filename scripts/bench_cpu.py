@@ -358,11 +358,12 @@ def paired_summary(passes: list[dict[str, dict]], configs: list[str]) -> dict:
         out["vs_llama_cpp"][name] = ratio(name, "llama.cpp")
     if READ in passes[0]:
         out["vs_read"] = {name: ratio(name, READ)["decode_only_tok_s"] for name in passes[0] if name != READ}
-        mid = _median([p[READ]["decode_only_tok_s"] for p in passes])
-        halves = {"read at or above its median": [p for p in passes if p[READ]["decode_only_tok_s"] >= mid],
-                  "read below its median": [p for p in passes if p[READ]["decode_only_tok_s"] < mid]}
-        out["by_read"] = {half: {"passes": len(among),
-                                 "read_tok_s": _median([p[READ]["decode_only_tok_s"] for p in among]),
+        def read(p: dict[str, dict]) -> float:
+            return p[READ]["decode_only_tok_s"]
+        mid = _median([read(p) for p in passes])
+        halves = {"read at or above its median": [p for p in passes if read(p) >= mid],
+                  "read below its median": [p for p in passes if read(p) < mid]}
+        out["by_read"] = {half: {"passes": len(among), "read_tok_s": _median([read(p) for p in among]),
                                  "vs_llama_cpp": {name: ratio(name, "llama.cpp", among)["decode_only_tok_s"]
                                                   for name in configs}}
                           for half, among in halves.items() if among}
