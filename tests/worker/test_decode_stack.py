@@ -3,9 +3,11 @@
 The same engine runs the same prompts with the stack and with it switched off (layer by layer in
 Python). With blocks weights both paths call the same C sums, but each call site is inlined and
 vectorized by the compiler on its own (-ffast-math lets it reassociate), and on AVX-512 hosts the
-two orders differ in the last bits: logprobs differed by up to 9.5e-7 (8 ulps of float32 near 1).
-So blocks weights are held to BLOCKS_ATOL, a relative bound of 64 float32 ulps (64 * 2^-23 of the
-logprob's magnitude, at least 1), with equal tokens; dense float32 weights go through torch's GEMM
+two orders differ in the last bits: logprobs differed by up to 9.5e-7 (8 ulps of float32 near 1),
+and by 67 ulps relative on a Xeon with AMX whose kernels GCC tuned for it (`-mtune=native`: the
+same code built with `-mtune=generic` gave equal bits there). So blocks weights are held to a
+relative bound of BLOCKS_ULPS float32 ulps (256 * 2^-23 of the logprob's magnitude, at least 1),
+with equal tokens; dense float32 weights go through torch's GEMM
 on the layer path, so there the stated tolerance is 1e-5 in logprob. Where activations are
 quantized (int16 or int8 codes per 32-value block; the K-quant kernel's are always int16), a last-bit
 difference upstream can move a code by one step (1/32767 or 1/127 of the block's largest value),
@@ -30,7 +32,7 @@ from kvserve.worker import decode_stack
 PARAMS = SamplingParams(max_tokens=12, temperature=0, logprobs=5, ignore_eos=True)
 DENSE_ATOL = 1e-5
 BF16_KV_ATOL = 1e-4  # dense weights over a bfloat16 KV cache (test_bfloat16_kv_of_a_float32_model)
-BLOCKS_ULPS = 64  # float32 ulps (relative to max(1, |logprob|)) that reassociation may cost
+BLOCKS_ULPS = 256  # float32 ulps (relative to max(1, |logprob|)) that reassociation may cost
 ACT_RTOL = {"float32": BLOCKS_ULPS * 2.0 ** -23, "int16": 1e-3, "int8": 1e-2}  # relative, by activation mode
 
 
