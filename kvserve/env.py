@@ -139,6 +139,7 @@ def _tuning_file(path: Path) -> dict[str, Any]:
             entry["activations"] = chosen["activations"]
             entry["dense_from"] = {s: None if v == tuning.NEVER else v for s, v in chosen["dense_from"].items()}
             entry["dense_dtype"] = chosen["dense_dtype"]
+            entry["int8_from"] = {s: None if v == tuning.NEVER else v for s, v in chosen["int8_from"].items()}
         entry["noise"], entry["made"] = evidence.entry_noise(data), data.get("made")
         entry["recheck"] = evidence.staleness(data)  # None: the next start only spot-checks it
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -220,8 +221,9 @@ def _tuning_line(entry: dict[str, Any]) -> str:
             f"{name} " + ", ".join(f"{t * 1e3:.2f} ms at {case}" for case, t in cases.items())
             for name, cases in entry["attention_seconds"].items())
     elif "dense_from" in entry:
-        dd = entry["dense_dtype"]
-        dense = ", ".join(f"{s} {'never' if v is None else v}" + (f" in {dd[s]}" if dd.get(s) else "")
+        dd, i8 = entry["dense_dtype"], entry.get("int8_from", {})
+        dense = ", ".join(f"{s} " + (f"int8 from {i8[s]}, dense " if i8.get(s) is not None else "")
+                          + f"{'never' if v is None else v}" + (f" in {dd[s]}" if dd.get(s) and v is not None else "")
                           for s, v in entry["dense_from"].items())
         what = "K-quant kernel" if entry["kind"] == "kquant" else \
             f"{entry['activations']} activations (each shape counted once)"

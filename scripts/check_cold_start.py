@@ -56,6 +56,7 @@ def start(model: str | None, cache: Path, burners: int, extra: list[str]) -> dic
             decisions["activations"] = entry.get("activations")
             decisions["dense_from"] = entry.get("dense_from")
             decisions["dense_dtype"] = entry.get("dense_dtype")
+            decisions["int8_from"] = entry.get("int8_from")
             decisions["noise"] = entry.get("noise")
     return {"seconds": took, "burners": burners, "decisions": decisions,
             "log": [line for line in run.stdout.splitlines() if line.strip()]}
@@ -66,7 +67,7 @@ def differences(a: dict, b: dict) -> list[str]:
     for key in ("dtype", "activations"):
         if a.get(key) != b.get(key):
             out.append(f"{key}: {a.get(key)} vs {b.get(key)}")
-    for key in ("dense_from", "dense_dtype"):
+    for key in ("int8_from", "dense_from", "dense_dtype"):
         x, y = a.get(key) or {}, b.get(key) or {}
         for shape in sorted(set(x) | set(y)):
             if x.get(shape) != y.get(shape):
@@ -90,7 +91,8 @@ def main() -> int:
             for line in runs[name]["log"]:
                 print(f"    {line}")
             print(f"  dtype {d.get('dtype', '(not measured)')}, activations {d.get('activations')}, "
-                  f"dense from {d.get('dense_from')}, dense dtype {d.get('dense_dtype')}", flush=True)
+                  f"int8 from {d.get('int8_from')}, dense from {d.get('dense_from')}, dense dtype {d.get('dense_dtype')}",
+                  flush=True)
     q1, busy, q2 = (runs[n]["decisions"] for n in ("quiet 1", "busy", "quiet 2"))
     report = {"quiet 1 vs quiet 2": differences(q1, q2), "busy vs quiet 1": differences(busy, q1),
               "busy vs quiet 2": differences(busy, q2)}

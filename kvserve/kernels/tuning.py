@@ -14,11 +14,11 @@ linears' keys also hold the kernels' source, so a changed kernel is measured aga
   size from which dequantizing and one dense matmul beat the kernel (`dense_from`); and, for a
   float32 model on a CPU with bfloat16 arithmetic, whether that dense (prefill) matmul runs in
   bfloat16 (`dense_dtype`), so decode and prefill each get their own measured choice; or, for
-  4-bit weights whose decode runs int16 codes, whether prefill-sized batches run the kernel with
-  int8 codes instead (`dense_dtype` 'int8': half the products' instructions of int16, and no
-  dequantized copy; KVSERVE_PREFILL_INT8=0 turns it off).
-- `tune_kquant_linears` (for linears over raw GGUF K-quant rows): the same `dense_from` and
-  `dense_dtype` by the same rule, the K-quant kernel in the place of the activation modes, int8
+  4-bit weights whose decode runs int16 codes, from which batch size the kernel runs int8 codes
+  (`int8_from`: half the products' instructions of int16, and no dequantized copy), below the
+  dense matmul's range (KVSERVE_PREFILL_INT8=0 turns it off).
+- `tune_kquant_linears` (for linears over raw GGUF K-quant rows): the same `dense_from`,
+  `dense_dtype` and `int8_from` by the same rule, the K-quant kernel in the place of the activation modes, int8
   activations against the K-quant codes (kquant.matmul_int8) as the int8 prefill path.
 - `choose_prefill_attention` (for the cpu attention backend, on the model's head shapes): the C
   prefill attention kernel or torch's SDPA over the gathered context.
@@ -223,61 +223,62 @@ def _dense_dtype(t: dict[str, dict[str, float]], flags: frozenset[str]) -> str |
 PREFILL_INT8 = "prefill_int8"  # the path: int8 codes (interleaved 4-bit rows, or K-quant rows), at GRID rows
 
 
-def _int8_prefill_from(t: dict[str, dict[str, float]], act: str) -> int | None:
-    """From how many rows (BF16_DENSE_MIN_ROWS at least) a prefill-sized batch runs the kernel with
-    int8 codes (PREFILL_INT8): the smallest measured batch size from which, at it and every larger
-    size, int8 is LOWER_PRECISION_GAIN times faster than each float32-class path (the kernel in
-    `act`, the dense float32 matmul) and at least as fast as the bfloat16 dense one (both lower
-    precision: +0.35% perplexity for int8 on the default model, BENCHMARKS.md); None if it never
-    is, or was not measured (a Blocks weight that is not interleaved 4-bit, a K-quant weight
-    whose parts are not in groups of 8 rows, or a decode in float32)."""
-    if PREFILL_INT8 not in t or act not in ("int16", "int8"):
-        return None
-    from_ = None
-    for r in sorted((int(r) for r in t[PREFILL_INT8] if int(r) >= BF16_DENSE_MIN_ROWS), reverse=True):
-        i8, k = t[PREFILL_INT8][str(r)], str(r)
-        if not (i8 * LOWER_PRECISION_GAIN <= min(t[act][k], t["dense"][k])
-                and ("dense_bf16" not in t or i8 <= t["dense_bf16"][k])):
-            break
-        from_ = r
-    return from_
+def _int8_beats_float(t: dict[str, dict[str, float]], act: str, r: int) -> bool:
+    """Whether int8 codes (PREFILL_INT8) may run `r` rows: LOWER_PRECISION_GAIN times faster than
+    each float32-class path there (the kernel in `act`, the dense float32 matmul; +0.35% perplexity
+    for int8 on the default model, BENCHMARKS.md), at BF16_DENSE_MIN_ROWS rows or more."""
+    k = str(r)
+    return (r >= BF16_DENSE_MIN_ROWS and k in t.get(PREFILL_INT8, {})
+            and t[PREFILL_INT8][k] * LOWER_PRECISION_GAIN <= min(t[act][k], t["dense"][k]))
 
 
 def choose(times: dict, counts: dict[str, int], allow_int8: bool = True, flags: frozenset[str] = frozenset(),
            allow_prefill_int8: bool = True) -> dict:
     """The rule, from timings: times[shape][path][rows] seconds, path one of qmatmul.MODES (the
-    kernel with those activations), 'dense' (the model's dtype) and, where measured, 'dense_bf16';
-    counts[shape]: how many linears have that shape; flags: the CPU's.
+    kernel with those activations), 'dense' (the model's dtype) and, where measured, 'dense_bf16'
+    and PREFILL_INT8 (the kernel with int8 codes); counts[shape]: how many linears have that shape;
+    flags: the CPU's.
 
     Activations: the mode in which the model's linears at DECODE_ROWS take the least time, a
     quantized one only when ACT_GAIN times faster than float32, int8 (only when allowed) also
     INT8_GAIN times faster than int16.
-    dense_dtype[shape]: `_dense_dtype`. dense_from[shape]: the smallest measured batch size from
-    which the dense path (in that dtype) is at least as fast as the kernel at it and every larger
-    size measured (SMALL_DENSE_GAIN times faster up to SMALL_BATCH rows; in bfloat16 never below
-    BF16_DENSE_MIN_ROWS); NEVER if none. Where `_int8_prefill_from` finds int8 codes faster still
-    (measured as PREFILL_INT8), dense_dtype[shape] is 'int8' and dense_from[shape] its row count:
-    from there the kernel runs with int8 codes instead of a dense matmul."""
+    Per shape, three ranges of batch size: the kernel in those activations, then int8 codes from
+    int8_from[shape], then one dense matmul from dense_from[shape] (NEVER where a range is empty).
+    dense_dtype[shape]: `_dense_dtype`. dense_from: the smallest measured batch size from which the
+    dense path (in that dtype) is at least as fast as the kernel (SMALL_DENSE_GAIN times faster up
+    to SMALL_BATCH rows; in bfloat16 never below BF16_DENSE_MIN_ROWS) and as int8 codes where those
+    may run (`_int8_beats_float`), at it and every larger size measured. int8_from: where the
+    kernel runs int16 or int8 activations at decode (weights laid out for them), the smallest
+    measured size below dense_from from which int8 codes may run at every size up to dense_from.
+    So on a CPU whose bfloat16 matmul is fast (AMX), int8 codes take the mid-sized batches and the
+    dense matmul the large ones, whose dequantizing it pays once for many rows."""
     def total(mode: str) -> float:
         return sum(counts[s] * times[s][mode][str(DECODE_ROWS)] for s in times)
 
     modes = sorted({p for t in times.values() for p in t if p in qmatmul.MODES and (allow_int8 or p != "int8")})
     act = min(modes, key=lambda p: total(p) * _path_gain(p, DECODE_ROWS, flags)) if modes else "float32"
-    dense_from, dense_dtype = {}, {}
+    int8_ok = allow_prefill_int8 and act in ("int16", "int8")
+    dense_from, dense_dtype, int8_from = {}, {}, {}
     for shape, t in times.items():
         dense_dtype[shape] = _dense_dtype(t, flags)
         path = "dense_bf16" if dense_dtype[shape] else "dense"
+        def i8(r: int, t: dict = t) -> bool:
+            return int8_ok and _int8_beats_float(t, act, r)
+
         from_ = NEVER
         for r in sorted((int(r) for r in t[path]), reverse=True):
-            if t[path][str(r)] * _path_gain("dense", r, flags) > t[act][str(r)] or \
-                    (path == "dense_bf16" and r < BF16_DENSE_MIN_ROWS):
+            k = str(r)
+            if t[path][k] * _path_gain("dense", r, flags) > t[act][k] or \
+                    (path == "dense_bf16" and r < BF16_DENSE_MIN_ROWS) or (i8(r) and t[PREFILL_INT8][k] < t[path][k]):
                 break
             from_ = r
         dense_from[shape] = from_
-        i8 = _int8_prefill_from(t, act) if allow_prefill_int8 else None
-        if i8 is not None:
-            dense_from[shape], dense_dtype[shape] = i8, "int8"
-    return {"activations": act, "dense_from": dense_from, "dense_dtype": dense_dtype}
+        int8_from[shape] = NEVER
+        for r in sorted((int(r) for r in t.get(PREFILL_INT8, {}) if int(r) < from_), reverse=True):
+            if not i8(r):
+                break
+            int8_from[shape] = r
+    return {"activations": act, "dense_from": dense_from, "dense_dtype": dense_dtype, "int8_from": int8_from}
 
 
 def _shape_key(m: nn.Module) -> str:
@@ -326,19 +327,23 @@ def _pair(key: str, t: dict, paths: dict[str, Callable[[int], object]], rows: in
 
 def _spot_pairs(times: dict, chosen: dict, paths_of: Callable[[str], dict[str, Callable[[int], object]]],
                 shapes: list[str]) -> list[SpotPair]:
-    """Per shape, the chosen path against the runner-up where the choice changes (at dense_from, or
-    at the largest batch when the kernel always wins), and the two dense dtypes at PREFILL_ROWS."""
+    """Per shape, the chosen path against the one it took over from where the choice changes (at
+    int8_from and at dense_from; at the largest batch, the kernel against the dense path, when the
+    kernel always wins), and the two dense dtypes at PREFILL_ROWS."""
     pairs: list[SpotPair] = []
     for key in shapes:
         t, paths = times[key], paths_of(key)
-        dense = {None: "dense", "bfloat16": "dense_bf16", "int8": PREFILL_INT8}[chosen["dense_dtype"][key]]
+        dense = "dense_bf16" if chosen["dense_dtype"][key] else "dense"
         act = chosen["activations"]
-        r = chosen["dense_from"][key]
-        pairs.append(_pair(key, t, paths, GRID[-1], act, dense) if r == NEVER else _pair(key, t, paths, r, dense, act))
+        i8, r = chosen["int8_from"][key], chosen["dense_from"][key]
+        if i8 != NEVER:
+            pairs.append(_pair(key, t, paths, i8, PREFILL_INT8, act))
+        if r != NEVER:
+            pairs.append(_pair(key, t, paths, r, dense, act if i8 == NEVER else PREFILL_INT8))
+        elif i8 == NEVER:
+            pairs.append(_pair(key, t, paths, GRID[-1], act, dense))
         if "dense_bf16" in t and "dense_bf16" in paths:
             pairs.append(_pair(key, t, paths, PREFILL_ROWS, dense, "dense" if dense == "dense_bf16" else "dense_bf16"))
-        if dense == PREFILL_INT8 and "dense_bf16" not in t:
-            pairs.append(_pair(key, t, paths, PREFILL_ROWS, dense, "dense"))
     return pairs
 
 
@@ -364,7 +369,7 @@ def _decide_shapes(kind: str, shapes: list[str], paths_of: Callable[[str], dict[
 
 
 def tune_linears(model: nn.Module, dtype: torch.dtype, allow_int8: bool | None = None) -> dict | None:
-    """Measure and set each Blocks linear's `activations`, `dense_from` and `dense_dtype`; None if
+    """Measure and set each Blocks linear's `activations`, `dense_from`, `dense_dtype` and `int8_from`; None if
     there are none."""
     mods = [m for m in model.modules() if getattr(m, "path", None) == "blocks"]
     if not mods or not enabled() or qmatmul.load() is None:
@@ -390,9 +395,9 @@ def tune_linears(model: nn.Module, dtype: torch.dtype, allow_int8: bool | None =
     for m in mods:
         key = _shape_key(m)
         m.activations, m.dense_from = chosen["activations"], chosen["dense_from"][key]
+        m.int8_from = chosen["int8_from"][key]
         dd = chosen["dense_dtype"][key]
-        m.prefill_int8 = dd == "int8"
-        m.dense_dtype = None if dd in (None, "int8") else getattr(torch, dd)
+        m.dense_dtype = None if dd is None else getattr(torch, dd)
     t1 = {mode: sum(counts[s] * times[s][mode][str(DECODE_ROWS)] for s in counts)
           for mode in qmatmul.MODES if all(mode in times[s] for s in counts)}
     logger.info("linears: %d quantized (%s; rounds spread %.0f%%); %s activations (all linears at 1 row: %s); "
@@ -427,7 +432,7 @@ def _kquant_paths(m: nn.Module, dtype: torch.dtype, bf16: bool) -> dict[str, Cal
 
 def tune_kquant_linears(model: nn.Module, dtype: torch.dtype) -> dict | None:
     """Measure and set each K-quant linear's (KQuantLinear, raw GGUF Q4_K / Q5_K / Q6_K rows)
-    `dense_from`, `dense_dtype` and `prefill_int8` by `choose`'s rule: from which batch size the
+    `dense_from`, `dense_dtype` and `int8_from` by `choose`'s rule: from which batch size the
     dense matmul, or int8 activations against the codes, beat the kernel, and whether the dense
     matmul runs on the CPU's bfloat16 units (a Q4_K_M file's Q6_K ffn_down: float32 dense is a
     third of bfloat16's speed on AVX512-BF16, int8 codes ~1.5x bfloat16). None if there are none."""
@@ -451,9 +456,9 @@ def tune_kquant_linears(model: nn.Module, dtype: torch.dtype) -> dict | None:
     for m in mods:
         key = _kquant_key(m)
         m.dense_from = chosen["dense_from"][key]
+        m.int8_from = chosen["int8_from"][key]
         dd = chosen["dense_dtype"][key]
-        m.prefill_int8 = dd == "int8"
-        m.dense_dtype = None if dd in (None, "int8") else getattr(torch, dd)
+        m.dense_dtype = None if dd is None else getattr(torch, dd)
     logger.info("K-quant linears: %d (%s; rounds spread %.0f%%); dense from rows: %s", len(mods), how,
                 100 * entry_noise(entry), _dense_summary(chosen, dtype))
     return chosen
@@ -517,8 +522,9 @@ def choose_prefill_attention(shape: list, kernel_source: str,
 
 
 def _dense_summary(chosen: dict, dtype: torch.dtype) -> str:
-    """'SHAPE FROM in DTYPE, ...' of a `choose` result, for the log line."""
-    return ", ".join(f"{s} {'never' if v == NEVER else v} in {chosen['dense_dtype'][s] or dtype_name(dtype)}"
+    """'SHAPE [int8 from ROWS, ]FROM in DTYPE, ...' of a `choose` result, for the log line."""
+    return ", ".join(f"{s} " + (f"int8 from {chosen['int8_from'][s]}, dense " if chosen["int8_from"][s] != NEVER else "")
+                     + ("never" if v == NEVER else f"{v} in {chosen['dense_dtype'][s] or dtype_name(dtype)}")
                      for s, v in chosen["dense_from"].items())
 
 

@@ -2,13 +2,12 @@
 
 The rows keep the file's bytes (Q6_K: 210 bytes per 256 weights, a fifth of float32's; Q6_K parts
 whose rows come in 8s regrouped by 8 rows, kquant.interleave), so a decode step reads ~4x fewer
-bytes than a dequantized weight. Below `dense_from` tokens the C kernel
-(kvserve/kernels/kquant) multiplies them with int16 activations; from `dense_from` on,
-prefill-sized batches are compute-bound: either int8 activations against the codes
-(`prefill_int8`: kquant.matmul_int8, 8 rows at a time decoded into a copy every token uses), or
-the weight dequantized per call and one F.linear in `dense_dtype` (bfloat16 where the CPU has
-bfloat16 units; None: x's dtype), whichever tuning found faster
-(kvserve.kernels.tuning.tune_kquant_linears). A fused linear (q/k/v, gate/up) may hold parts of
+bytes than a dequantized weight. Decode-sized batches: the C kernel (kvserve/kernels/kquant)
+multiplies them with int16 activations. Prefill-sized batches are compute-bound: from `int8_from`
+tokens int8 activations against the codes (kquant.matmul_int8, 8 rows at a time decoded into a
+copy every token uses), and from `dense_from` the weight dequantized per call and one F.linear in
+`dense_dtype` (bfloat16 where the CPU has bfloat16 units; None: x's dtype), where tuning found
+each faster (kvserve.kernels.tuning.tune_kquant_linears). A fused linear (q/k/v, gate/up) may hold parts of
 different K-quant types: each is a range of output rows. Without the C kernel, or off the CPU, the
 weight is dequantized once at build instead (path "dense"), as the loader did before these types
 were kept.
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 from kvserve.quant.gguf import KQuantWeight
 from kvserve.quant.linear import InplaceWeight, _QuantLinear
 from kvserve.kernels import kquant
+from kvserve.kernels.tuning import NEVER
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class KQuantLinear(_QuantLinear):
         super().__init__(sum(p.shape[0] for p in parts), n_in, None, bias, dtype, device)
         self.dense_from = DENSE_FROM
         self.dense_dtype: torch.dtype | None = None
-        self.prefill_int8 = False  # from dense_from rows int8 activations against the codes instead (tuning)
+        self.int8_from = NEVER  # from int8_from rows up to dense_from int8 activations against the codes (tuning)
         self.qtypes = [p.qtype for p in parts]
         if device.type != "cpu" or kquant.load() is None:
             self.path = "dense"
@@ -75,7 +75,13 @@ class KQuantLinear(_QuantLinear):
     def inplace_weight(self) -> InplaceWeight | None:
         if self.path != "kquant":
             return None
-        return InplaceWeight(self.out_features, self.in_features, self.dense_from, kquant_parts=self.part_rows())
+        return InplaceWeight(self.out_features, self.in_features, min(self.dense_from, self.int8_from),
+                             kquant_parts=self.part_rows())
+
+    @property
+    def prefill_int8(self) -> bool:
+        """Whether some prefill-sized batches take int8 activations against the codes (tuning's int8_from)."""
+        return self.int8_from < self.dense_from
 
     def matrix(self) -> kquant.KqMatrix:
         """The C view of the weight (built once; again if the buffer was moved)."""
@@ -89,11 +95,11 @@ class KQuantLinear(_QuantLinear):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.path == "dense":
             return F.linear(x, self.weight.to(x.dtype))
-        if x.shape[0] >= self.dense_from and self.prefill_int8:  # prefill-sized, int8 codes (tuning chose)
-            return kquant.matmul_int8(x.float(), self.matrix()).to(x.dtype)
         if x.shape[0] >= self.dense_from:  # prefill-sized: compute-bound, one dense matmul
             dt = self.dense_dtype or x.dtype
             return F.linear(x.to(dt), kquant.dequantize(self.matrix(), dt, reuse=True)).to(x.dtype)
+        if x.shape[0] >= self.int8_from:  # mid-sized, int8 codes (tuning chose)
+            return kquant.matmul_int8(x.float(), self.matrix()).to(x.dtype)
         return kquant.matmul(x.float(), self.matrix()).to(x.dtype)
 
     def _stored_weight(self) -> torch.Tensor:

@@ -126,8 +126,8 @@ class InplaceWeight:
     itself (the decode stack, kvserve/worker/decode_stack.py). Either `blocks` (qmatmul.Blocks,
     multiplied with `activations`, one of qmatmul.MODES) or `kquant_parts` (raw GGUF K-quant rows:
     kquant.make_matrix's parts, views into the module's buffer), or `parts`: one of these per run of
-    output rows (StackedLinear). From `dense_from` rows on the module
-    multiplies densely instead. The weight is in input-channel order (no permutation), bias apart."""
+    output rows (StackedLinear). From `dense_from` rows on the module takes another path (int8
+    codes or a dense matmul), which the decode stack leaves to it. The weight is in input-channel order (no permutation), bias apart."""
 
     out_features: int
     in_features: int
@@ -203,11 +203,11 @@ class GroupCodesLinear(_QuantLinear):
             self.register_buffer("d", blocks.d.to(device))
             self.register_buffer("c", None if blocks.c is None else blocks.c.to(device))
             # set by kvserve.kernels.tuning from measurements; these are the untuned defaults
-            # (dense_dtype: the dense prefill matmul's dtype, None for x's; prefill_int8: from
-            # dense_from rows the kernel with int8 codes instead; decode keeps the kernel)
+            # (dense_dtype: the dense prefill matmul's dtype, None for x's; from int8_from rows up
+            # to dense_from the kernel with int8 codes; decode keeps the kernel)
             self.activations, self.dense_from = "float32", tuning.DEFAULT_DENSE_FROM
             self.dense_dtype: torch.dtype | None = None
-            self.prefill_int8 = False
+            self.int8_from = tuning.NEVER
             return
         self.group = _kernel_group(qw.group_size, out, device)
         if self.group is None:
@@ -308,16 +308,21 @@ class GroupCodesLinear(_QuantLinear):
     def inplace_weight(self) -> InplaceWeight | None:
         if self.path != "blocks" or self.perm is not None:
             return None
-        return InplaceWeight(self.out_features, self.in_features, self.dense_from, blocks=self.blocks(),
-                             activations=self.activations)
+        return InplaceWeight(self.out_features, self.in_features, min(self.dense_from, self.int8_from),
+                             blocks=self.blocks(), activations=self.activations)
+
+    @property
+    def prefill_int8(self) -> bool:
+        """Whether some prefill-sized batches run the kernel with int8 codes (tuning's int8_from)."""
+        return self.__dict__.get("int8_from", tuning.NEVER) < self.__dict__.get("dense_from", tuning.NEVER)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.path == "blocks":
-            if x.shape[0] >= self.dense_from and self.prefill_int8:  # prefill-sized, int8 codes (tuning chose)
-                return qmatmul.matmul(x.float(), self.blocks(), "int8").to(x.dtype)
             if x.shape[0] >= self.dense_from:  # prefill-sized: one dense matmul, on bf16 units if tuning chose them
                 dt = self.dense_dtype or x.dtype
                 return F.linear(x.to(dt), qmatmul.dequantize(self.blocks(), dt, reuse=True)).to(x.dtype)
+            if x.shape[0] >= self.int8_from:  # mid-sized, int8 codes (tuning chose)
+                return qmatmul.matmul(x.float(), self.blocks(), "int8").to(x.dtype)
             return qmatmul.matmul(x.float(), self.blocks(), self.activations).to(x.dtype)
         if self.path == "triton":
             return _triton_matmul().matmul(x, self.codes, self.scale, self.offset, self.group)

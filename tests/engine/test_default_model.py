@@ -20,7 +20,7 @@ PROMPTS = [
 # picks on CPUs where they are faster): rounding each 32-value block of x to 8 bits moved the
 # default model's logprobs by up to 0.14 over these 4 x 20 steps (perplexity +0.35%, BENCHMARKS.md);
 # a token may flip where HF's top two are within 0.35 (a flip at a gap of 0.23 was seen). With the
-# prompts' step on int8 codes too (prefill_int8, where it took the bfloat16 dense path before) one
+# prompts' step on int8 codes too (int8_from, where it took the bfloat16 dense path before) one
 # step moved by 0.214 (Zen 4). That largest move is the tail of the 8-bit rounding's noise, and any
 # float-level change re-draws it (a value near a rounding boundary crosses it): with the embeddings
 # perturbed by 1e-6 of their size, the largest move over these 80 steps ranged 0.11-0.27 over 7
@@ -37,7 +37,7 @@ INT16_ACTIVATIONS_ATOL = 2e-3
 BF16_PREFILL_ATOL, BF16_PREFILL_TIE = 0.06, 0.12
 
 
-# A prefill on int8 codes (prefill_int8, tuning.py) where they measure faster: the prompts' K/V
+# A prefill on int8 codes (int8_from, tuning.py) where they measure faster: the prompts' K/V
 # carry the 8-bit rounding into every later step, so the logprobs moved by up to 0.144 over these
 # steps (Zen 4; decode steps on int16 codes): int8 activations' tolerance.
 INT8_PREFILL_ATOL, INT8_PREFILL_TIE = INT8_ACTIVATIONS_ATOL, INT8_ACTIVATIONS_TIE
@@ -53,13 +53,19 @@ INT8_PREFILL_BF16_ATTENTION_ATOL = 0.35
 BF16_KV_ATOL, BF16_KV_TIE = 0.03, 0.1
 
 
-def low_precision_prefill(model: torch.nn.Module, tokens: int, attr: str = "dense_dtype",
-                 value: object = torch.bfloat16) -> bool:
-    """Whether a step of `tokens` prompt tokens runs some linear in bfloat16 (kernels/tuning.py's
-    per-phase choice: dense_from and dense_dtype of each quantized linear), or with attr="prefill_int8",
-    value=True, on int8 codes."""
-    return any(getattr(m, attr, None) == value and getattr(m, "dense_from", tokens + 1) <= tokens
-               for m in model.modules())
+def low_precision_prefill(model: torch.nn.Module, tokens: int, path: str = "bfloat16") -> bool:
+    """Whether a step of `tokens` prompt tokens runs some linear on path "bfloat16" (its dense
+    matmul in bfloat16: dense_from and dense_dtype, kernels/tuning.py's per-phase choice) or "int8"
+    (the kernel with int8 codes: from int8_from up to dense_from)."""
+    for m in model.modules():
+        dense_from = getattr(m, "dense_from", None)
+        if dense_from is None:
+            continue
+        if path == "bfloat16" and getattr(m, "dense_dtype", None) == torch.bfloat16 and dense_from <= tokens:
+            return True
+        if path == "int8" and getattr(m, "int8_from", dense_from) <= tokens < dense_from:
+            return True
+    return False
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +110,7 @@ def test_default_model_greedy_matches_hf(tuning, kv, monkeypatch, hf_reference):
     int16 = any(getattr(m, "activations", None) == "int16" for m in model.modules())
     if int8:
         assert_parity(INT8_ACTIVATIONS_ATOL, INT8_ACTIVATIONS_TIE)
-    elif low_precision_prefill(model, sum(map(len, prompts)), "prefill_int8", True):
+    elif low_precision_prefill(model, sum(map(len, prompts)), "int8"):
         assert tuning != "off"
         bf16 = llm.engine.executor.worker.runner.attention_backend.prefill_bf16
         assert_parity(INT8_PREFILL_BF16_ATTENTION_ATOL if bf16 else INT8_PREFILL_ATOL, INT8_PREFILL_TIE)

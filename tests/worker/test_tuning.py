@@ -24,6 +24,7 @@ from kvserve.kernels import cpu, evidence, qmatmul, tuning
 BF16 = tuning.NATIVE["bfloat16"]
 FP16 = tuning.NATIVE["float16"]
 LOGGER = "kvserve.kernels.tuning"
+N = tuning.NEVER  # a range of batch sizes that is empty
 
 
 class Clock:
@@ -333,7 +334,7 @@ def test_choose_takes_the_faster_path_per_shape():
     }
     chosen = tuning.choose(times, {"a": 1, "b": 1, "c": 1})
     assert chosen == {"activations": "int8", "dense_from": {"a": 32, "b": 128, "c": tuning.NEVER},
-                      "dense_dtype": {"a": None, "b": None, "c": None}}
+                      "dense_dtype": {"a": None, "b": None, "c": None}, "int8_from": dict.fromkeys("abc", tuning.NEVER)}
     assert tuning.choose(times, {"a": 1, "b": 1, "c": 1}, allow_int8=False)["activations"] == "float32"
     slow_int8 = {k: {**v, "int8": {**v["int8"], "1": 5.0}} for k, v in times.items()}
     assert tuning.choose(slow_int8, {"a": 1, "b": 1, "c": 1})["activations"] == "float32"
@@ -423,7 +424,8 @@ def test_tune_linears_on_a_cpu_without_bf16_never_measures_bf16(cache, monkeypat
     model = two_linears()
     with caplog.at_level("INFO", logger=LOGGER):
         chosen = tuning.tune_linears(model, torch.float32)
-    assert chosen == {"activations": "float32", "dense_from": {"64x128:4bit": 32}, "dense_dtype": {"64x128:4bit": None}}
+    assert chosen == {"activations": "float32", "dense_from": {"64x128:4bit": 32}, "dense_dtype": {"64x128:4bit": None},
+                      "int8_from": {"64x128:4bit": tuning.NEVER}}
     assert not any(label.startswith("dense_bf16") for label in clock.calls)
     assert clock.count["dense@64x128:4bit/256"] == evidence.ROUNDS and "dense@64x128:4bit/1" not in clock.count
     assert "linears: 2 quantized (measured: nothing cached" in caplog.text
@@ -481,8 +483,9 @@ def test_a_slower_bf16_dense_keeps_float32_and_a_cached_entry_is_spot_checked(ca
 
 def test_int8_codes_take_prefill_where_they_win_with_a_margin():
     """Issue 30 item 4: prefill-sized batches of a weight whose decode runs int16 codes may run int8
-    codes instead: from BF16_DENSE_MIN_ROWS on, LOWER_PRECISION_GAIN faster than the float32-class
-    paths (the kernel, the float32 dense matmul) and no slower than the bfloat16 dense one."""
+    codes instead: from BF16_DENSE_MIN_ROWS on, where LOWER_PRECISION_GAIN faster than the
+    float32-class paths (the kernel, the float32 dense matmul), up to the sizes from which the
+    bfloat16 dense matmul is faster still."""
     def t(i8: float, bf16: float | None = None) -> dict:
         kernel = {8: 4.0, 16: 8.0, 32: 16.0, 256: 128.0}
         out = {"int16": {"1": 1.0, **{str(r): v for r, v in kernel.items()}},
@@ -493,18 +496,28 @@ def test_int8_codes_take_prefill_where_they_win_with_a_margin():
             out["dense_bf16"] = {str(r): (20.0 + v / 2) * bf16 for r, v in kernel.items()}
         return out
     got = tuning.choose({"s": t(0.5)}, {"s": 1}, flags=BF16)
-    assert got["activations"] == "int16" and got["dense_dtype"] == {"s": "int8"} and got["dense_from"] == {"s": 16}
+    assert got["activations"] == "int16" and got["int8_from"] == {"s": 16} and got["dense_from"] == {"s": N}
     # 1.1x the int16 kernel: within the precision margin, so no int8 (dense float32 from 256 as before)
     got = tuning.choose({"s": t(0.9)}, {"s": 1}, flags=BF16)
-    assert got["dense_dtype"] == {"s": None} and got["dense_from"] == {"s": 256}
-    # slower than bfloat16 dense at 256 rows: bfloat16 there, and int8 not from 16 either
+    assert got["int8_from"] == {"s": N} and got["dense_dtype"] == {"s": None} and got["dense_from"] == {"s": 256}
+    # slower than bfloat16 dense at 256 rows only (bf16 = 42 against int8's 64 there; 14 against 4 at
+    # 16): int8 codes from 16 rows, the bfloat16 matmul from 256, as on a CPU with AMX
     got = tuning.choose({"s": t(0.5, bf16=0.5)}, {"s": 1}, flags=BF16)
-    assert got["dense_dtype"] == {"s": "bfloat16"}
-    assert tuning.choose({"s": t(0.5)}, {"s": 1}, flags=BF16, allow_prefill_int8=False)["dense_dtype"] == {"s": None}
+    assert got["dense_dtype"] == {"s": "bfloat16"} and got["dense_from"] == {"s": 256} and got["int8_from"] == {"s": 16}
+    # bfloat16 dense faster than int8 at every size from 16: no int8 range
+    got = tuning.choose({"s": t(0.5, bf16=0.1)}, {"s": 1}, flags=BF16)
+    assert got["dense_from"] == {"s": 16} and got["int8_from"] == {"s": N}
+    # ... and where it wins only at 16 and 256, not at 32, the dense matmul takes 256 alone
+    mixed = t(0.5, bf16=0.5)
+    mixed["dense_bf16"]["16"] = 3.0
+    got = tuning.choose({"s": mixed}, {"s": 1}, flags=BF16)
+    assert got["dense_from"] == {"s": 256} and got["int8_from"] == {"s": 16}
+    got = tuning.choose({"s": t(0.5)}, {"s": 1}, flags=BF16, allow_prefill_int8=False)
+    assert got["int8_from"] == {"s": N} and got["dense_dtype"] == {"s": None}
     # float32 activations at decode (row-major weights): int8 prefill is not a candidate
     f32 = t(0.5)
     f32["float32"]["1"] = 0.5
-    assert tuning.choose({"s": f32}, {"s": 1})["dense_dtype"] == {"s": None}
+    assert tuning.choose({"s": f32}, {"s": 1})["int8_from"] == {"s": N}
 
 
 def test_tune_linears_sets_int8_prefill_and_the_module_runs_it(cache, monkeypatch, caplog):
@@ -513,17 +526,17 @@ def test_tune_linears_sets_int8_prefill_and_the_module_runs_it(cache, monkeypatc
     model = two_linears()
     with caplog.at_level("INFO", logger=LOGGER):
         chosen = tuning.tune_linears(model, torch.float32)
-    assert chosen["activations"] == "int16" and chosen["dense_dtype"] == {"64x128:4bit": "int8"}
-    assert chosen["dense_from"] == {"64x128:4bit": 16} and "64x128:4bit 16 in int8" in caplog.text
+    assert chosen["activations"] == "int16" and chosen["int8_from"] == {"64x128:4bit": 16}
+    assert chosen["dense_from"] == {"64x128:4bit": N} and "64x128:4bit int8 from 16, dense never" in caplog.text
     m = model[0]
-    assert m.prefill_int8 and m.dense_dtype is None and m.blocks().interleaved
+    assert m.prefill_int8 and m.int8_from == 16 and m.dense_dtype is None and m.blocks().interleaved
     x = torch.randn(20, 128, generator=torch.Generator().manual_seed(2))
     assert torch.equal(m(x), qmatmul.matmul(x, m.blocks(), "int8"))  # 20 rows: int8 codes
     assert torch.equal(m(x[:15]), qmatmul.matmul(x[:15], m.blocks(), "int16"))  # decode-sized: int16
     ref = F.linear(x, qmatmul.dequantize(m.blocks()))
     assert float((m(x) - ref).norm() / ref.norm()) < 2e-2
     monkeypatch.setenv(tuning.PREFILL_INT8_ENV, "0")
-    assert tuning.tune_linears(model, torch.float32)["dense_dtype"] == {"64x128:4bit": None}
+    assert tuning.tune_linears(model, torch.float32)["int8_from"] == {"64x128:4bit": N}
     assert not model[0].prefill_int8
 
 
@@ -589,10 +602,10 @@ def test_kquant_linears_take_int8_prefill_where_it_wins(cache, monkeypatch, capl
     clock = use_clock(monkeypatch, linear_clock(int16=1e-5, prefill_int8=1e-7))
     with caplog.at_level("INFO", logger=LOGGER):
         chosen = tuning.tune_kquant_linears(model, torch.float32)
-    assert chosen["dense_dtype"] == {"64x256:Q6_K": "int8"} and chosen["dense_from"] == {"64x256:Q6_K": 16}
+    assert chosen["int8_from"] == {"64x256:Q6_K": 16} and chosen["dense_from"] == {"64x256:Q6_K": N}
     assert clock.count[f"{tuning.PREFILL_INT8}@64x256:Q6_K/256"] == evidence.ROUNDS
-    assert "64x256:Q6_K 16 in int8" in caplog.text
-    assert m.prefill_int8 and m.dense_dtype is None and m.dense_from == 16
+    assert "64x256:Q6_K int8 from 16, dense never" in caplog.text
+    assert m.prefill_int8 and m.int8_from == 16 and m.dense_from == N
     x = torch.randn(20, 256, generator=torch.Generator().manual_seed(4))
     assert torch.equal(m(x), kquant.matmul_int8(x, m.matrix()))
     assert torch.equal(m(x[:15]), kquant.matmul(x[:15], m.matrix()))  # decode-sized: the kernel
@@ -600,7 +613,7 @@ def test_kquant_linears_take_int8_prefill_where_it_wins(cache, monkeypatch, capl
     assert float((m(x) - ref).norm() / ref.norm()) < 2e-2  # int8 activations' rounding
     monkeypatch.setenv(tuning.PREFILL_INT8_ENV, "0")
     assert tuning.tune_kquant_linears(model, torch.float32)["dense_dtype"] == {"64x256:Q6_K": "bfloat16"}
-    assert not m.prefill_int8 and m.dense_dtype == torch.bfloat16
+    assert not m.prefill_int8 and m.dense_dtype == torch.bfloat16 and m.dense_from == 16
 
 
 # ---- what `kvserve env` shows ------------------------------------------------------------------
