@@ -78,7 +78,10 @@ def check_qmatmul() -> list[str]:
                 bad += [f"interleaved: {b}" for b in check_blocks(wi, dense, bits, n, k)]
                 ids = torch.tensor([n - 1, 0, 5, n // 2])
                 x = torch.randn(3, k, generator=torch.Generator().manual_seed(7))
+                # dequantize reads an interleaved 4-bit weight 8 rows at a time, a row-major one by rows
                 if not (torch.equal(qmatmul.rows(wi, ids), qmatmul.rows(w, ids))
+                        and all(torch.equal(qmatmul.dequantize(wi, dt), qmatmul.dequantize(w, dt))
+                                for dt in (torch.float32, torch.bfloat16))
                         and torch.equal(qmatmul.relayout(wi, False).codes, w.codes)
                         and _same_int8(qmatmul.matmul(x, wi, "int8"), qmatmul.matmul(x, w, "int8"), bits)
                         and torch.equal(qmatmul.matmul(x, wi, "float32"), qmatmul.matmul(x, w, "float32"))):

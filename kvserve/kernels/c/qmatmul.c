@@ -148,17 +148,24 @@ static inline void prefetch_ahead(const uint8_t *row, int64_t row_bytes) {
    as they are (0..15, not centred: callers take the 8 d off with the offsets), 8-bit codes signed.
    The bytes go to one int32 each by in-lane byte shuffles from a 16-byte load broadcast to both
    lanes: cross-lane widening (vpmovsx) took twice as long per block on Zen 3. */
+/* The 32 nibbles of one 4-bit block's 16 bytes (in a register) as floats, in block_floats's order. */
+static inline void nibble_floats(__m128i bytes, __m256 w[4]) {
+    const __m256i i0 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                        4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+    const __m256i i1 = _mm256_add_epi32(i0, _mm256_set1_epi32(8));  /* bytes 8-15 (-1 + 8 keeps bit 7 set) */
+    const __m256i v = _mm256_broadcastsi128_si256(bytes);
+    const __m256i m = _mm256_set1_epi32(15), a = _mm256_shuffle_epi8(v, i0), c = _mm256_shuffle_epi8(v, i1);
+    w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, m));
+    w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(c, m));
+    w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+    w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+}
 static inline void block_floats(const uint8_t *wr, int64_t b, int bits, __m256 w[4]) {
     const __m256i i0 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
                                         4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
     const __m256i i1 = _mm256_add_epi32(i0, _mm256_set1_epi32(8));  /* bytes 8-15 (-1 + 8 keeps bit 7 set) */
     if (bits == 4) {
-        const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(wr + b * 16)));
-        const __m256i m = _mm256_set1_epi32(15), a = _mm256_shuffle_epi8(v, i0), c = _mm256_shuffle_epi8(v, i1);
-        w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, m));
-        w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(c, m));
-        w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
-        w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+        nibble_floats(_mm_loadu_si128((const __m128i *)(wr + b * 16)), w);
     } else {  /* each byte into an int32's top byte, then an arithmetic shift sign-extends it */
         const __m256i j0 = _mm256_slli_epi32(i0, 24), j1 = _mm256_slli_epi32(i1, 24);
         const __m256i s0 = _mm256_or_si256(_mm256_srli_epi32(_mm256_set1_epi32(-1), 8), j0);
@@ -1648,8 +1655,55 @@ static void dequantize_row(int bits, const uint8_t *wq, const void *wd, const vo
    bfloat16 is float32's value rounded once: the same bits as converting the float32 result,
    without writing and reading it (a prefill's dense bfloat16 matmul dequantizes its weight on
    every call). */
+#if defined(__AVX2__)
+/* Rows [8 g, 8 g + 8) of an interleaved 4-bit W (bits may carry HALF_SCALES, KSCALES) into dst,
+   the values dequantize_row gives: each block's 4 chunks (a 4-byte word per row each) loaded once
+   and transposed in registers into the 8 rows' 16 bytes, where dequantize_row gathers a row's
+   words one by one through memory (4 narrow stores, then a wide load that cannot forward them). */
+static void dequantize_group_il4(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t K, int64_t g,
+                                 void *dst, int bf16) {
+    const int half = bits & HALF_SCALES, ks = bits & KSCALES;
+    const int64_t nb = K / 32;
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *base = wq + (g * nb + b) * 8 * 16;
+        const __m256i c0 = _mm256_loadu_si256((const __m256i *)base), c1 = _mm256_loadu_si256((const __m256i *)(base + 32));
+        const __m256i c2 = _mm256_loadu_si256((const __m256i *)(base + 64)), c3 = _mm256_loadu_si256((const __m256i *)(base + 96));
+        const __m256i t0 = _mm256_unpacklo_epi32(c0, c1), t1 = _mm256_unpackhi_epi32(c0, c1);
+        const __m256i t2 = _mm256_unpacklo_epi32(c2, c3), t3 = _mm256_unpackhi_epi32(c2, c3);
+        /* u[j]: rows j (low half) and j + 4 (high half), each its 4 words in chunk order */
+        const __m256i u[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                              _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+        for (int i = 0; i < 8; ++i) {
+            const int64_t n = 8 * g + i, at = (g * nb + b) * 8 + i;
+            float d, c;
+            if (ks) k_scale_at(wd, wc, nb, 1, n, b, &d, &c);
+            else {
+                d = half ? half_to_float(((const uint16_t *)wd)[at]) : ((const float *)wd)[at];
+                c = wc ? ((const float *)wc)[at] : 0.f;
+            }
+            __m256 wv[4];
+            nibble_floats(i < 4 ? _mm256_castsi256_si128(u[i]) : _mm256_extracti128_si256(u[i - 4], 1), wv);
+            const int64_t o = n * K + b * 32;
+            for (int q = 0; q < 4; ++q) {  /* the nibbles centred, as dequantize_row does */
+                const __m256 v = _mm256_fmadd_ps(_mm256_sub_ps(wv[q], _mm256_set1_ps(8.f)), _mm256_set1_ps(d),
+                                                 _mm256_set1_ps(c));
+                if (bf16) _mm_storeu_si128((__m128i *)((uint16_t *)dst + o + 8 * q), bf16x8(v));
+                else _mm256_storeu_ps((float *)dst + o + 8 * q, v);
+            }
+        }
+    }
+}
+#endif
+
 void dequantize(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t N, int64_t K, void *w,
                 int bf16, int nthreads) {
+#if defined(__AVX2__)
+    if ((bits & INTERLEAVED) && (bits & ~(HALF_SCALES | INTERLEAVED | KSCALES)) == 4 && N % 8 == 0) {
+        #pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t g = 0; g < N / 8; ++g) dequantize_group_il4(bits, wq, wd, wc, K, g, w, bf16);
+        return;
+    }
+#endif
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; ++n)
         dequantize_row(bits, wq, wd, wc, K, n, bf16 ? (void *)((uint16_t *)w + n * K) : (void *)((float *)w + n * K),
