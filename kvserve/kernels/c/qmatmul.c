@@ -867,6 +867,21 @@ static void split_codes(const int16_t *xq, int64_t M, int64_t K, uint8_t *lo, in
     }
 }
 #endif
+#if defined(__AVX2__)
+/* One unit of 16 row bytes of a group of 8 interleaved rows (4 chunks of 32 bytes at src, a 4-byte
+   word per row in each): r[i] holds rows i (low half) and i + 4 (high half), each its 4 words in
+   chunk order, by a 4 x 8 transpose of 32-bit words. */
+static inline void il_rows_of_unit(const uint8_t *src, __m256i r[4]) {
+    const __m256i c0 = _mm256_loadu_si256((const __m256i *)src), c1 = _mm256_loadu_si256((const __m256i *)(src + 32));
+    const __m256i c2 = _mm256_loadu_si256((const __m256i *)(src + 64)), c3 = _mm256_loadu_si256((const __m256i *)(src + 96));
+    const __m256i t0 = _mm256_unpacklo_epi32(c0, c1), t1 = _mm256_unpackhi_epi32(c0, c1);
+    const __m256i t2 = _mm256_unpacklo_epi32(c2, c3), t3 = _mm256_unpackhi_epi32(c2, c3);
+    r[0] = _mm256_unpacklo_epi64(t0, t2);
+    r[1] = _mm256_unpackhi_epi64(t0, t2);
+    r[2] = _mm256_unpacklo_epi64(t1, t3);
+    r[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+#endif
 /* The row-major copy of interleaved rows [a, e) (codes [e - a, row bytes], scales and offsets
    [e - a, K / 32]): what every other kernel reads. The codes are units of 16 row bytes (a 4-bit
    block, half an 8-bit one), each 4 chunks of 32 bytes in a group; whole groups go by a 4 x 8
@@ -881,13 +896,8 @@ static void il_unpack(int bits, const uint8_t *wq, const float *wd, const float 
         if (g0 >= a && g0 + 8 <= e) {
             uint8_t *out = codes + (g0 - a) * rb;
             for (int64_t u = 0; u < nu; ++u) {
-                const uint8_t *src = wq + (g * nu + u) * 128;
-                const __m256i c0 = _mm256_loadu_si256((const __m256i *)src), c1 = _mm256_loadu_si256((const __m256i *)(src + 32));
-                const __m256i c2 = _mm256_loadu_si256((const __m256i *)(src + 64)), c3 = _mm256_loadu_si256((const __m256i *)(src + 96));
-                const __m256i t0 = _mm256_unpacklo_epi32(c0, c1), t1 = _mm256_unpackhi_epi32(c0, c1);
-                const __m256i t2 = _mm256_unpacklo_epi32(c2, c3), t3 = _mm256_unpackhi_epi32(c2, c3);
-                const __m256i r[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
-                                      _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+                __m256i r[4];
+                il_rows_of_unit(wq + (g * nu + u) * 128, r);
                 for (int i = 0; i < 4; ++i) {  /* rows i and i + 4 */
                     _mm_storeu_si128((__m128i *)(out + i * rb + u * 16), _mm256_castsi256_si128(r[i]));
                     _mm_storeu_si128((__m128i *)(out + (i + 4) * rb + u * 16), _mm256_extracti128_si256(r[i], 1));
@@ -1657,22 +1667,16 @@ static void dequantize_row(int bits, const uint8_t *wq, const void *wd, const vo
    every call). */
 #if defined(__AVX2__)
 /* Rows [8 g, 8 g + 8) of an interleaved 4-bit W (bits may carry HALF_SCALES, KSCALES) into dst,
-   the values dequantize_row gives: each block's 4 chunks (a 4-byte word per row each) loaded once
-   and transposed in registers into the 8 rows' 16 bytes, where dequantize_row gathers a row's
+   the values dequantize_row gives: each block's 4 chunks loaded once and transposed in registers
+   into the 8 rows' 16 bytes (il_rows_of_unit, as il_unpack does), where dequantize_row gathers a row's
    words one by one through memory (4 narrow stores, then a wide load that cannot forward them). */
 static void dequantize_group_il4(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t K, int64_t g,
                                  void *dst, int bf16) {
     const int half = bits & HALF_SCALES, ks = bits & KSCALES;
     const int64_t nb = K / 32;
     for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t *base = wq + (g * nb + b) * 8 * 16;
-        const __m256i c0 = _mm256_loadu_si256((const __m256i *)base), c1 = _mm256_loadu_si256((const __m256i *)(base + 32));
-        const __m256i c2 = _mm256_loadu_si256((const __m256i *)(base + 64)), c3 = _mm256_loadu_si256((const __m256i *)(base + 96));
-        const __m256i t0 = _mm256_unpacklo_epi32(c0, c1), t1 = _mm256_unpackhi_epi32(c0, c1);
-        const __m256i t2 = _mm256_unpacklo_epi32(c2, c3), t3 = _mm256_unpackhi_epi32(c2, c3);
-        /* u[j]: rows j (low half) and j + 4 (high half), each its 4 words in chunk order */
-        const __m256i u[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
-                              _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+        __m256i u[4];  /* rows j (low half) and j + 4 (high half) */
+        il_rows_of_unit(wq + (g * nb + b) * 8 * 16, u);
         for (int i = 0; i < 8; ++i) {
             const int64_t n = 8 * g + i, at = (g * nb + b) * 8 + i;
             float d, c;
