@@ -91,8 +91,8 @@ def main() -> int:
             for line in runs[name]["log"]:
                 print(f"    {line}")
             print(f"  dtype {d.get('dtype', '(not measured)')}, activations {d.get('activations')}, "
-                  f"int8 from {d.get('int8_from')}, dense from {d.get('dense_from')}, dense dtype {d.get('dense_dtype')}",
-                  flush=True)
+                  f"int8 from {d.get('int8_from')}, dense from {d.get('dense_from')}, "
+                  f"dense dtype {d.get('dense_dtype')}", flush=True)
     q1, busy, q2 = (runs[n]["decisions"] for n in ("quiet 1", "busy", "quiet 2"))
     report = {"quiet 1 vs quiet 2": differences(q1, q2), "busy vs quiet 1": differences(busy, q1),
               "busy vs quiet 2": differences(busy, q2)}

@@ -18,8 +18,8 @@ linears' keys also hold the kernels' source, so a changed kernel is measured aga
   (`int8_from`: half the products' instructions of int16, and no dequantized copy), below the
   dense matmul's range (KVSERVE_PREFILL_INT8=0 turns it off).
 - `tune_kquant_linears` (for linears over raw GGUF K-quant rows): the same `dense_from`,
-  `dense_dtype` and `int8_from` by the same rule, the K-quant kernel in the place of the activation modes, int8
-  activations against the K-quant codes (kquant.matmul_int8) as the int8 prefill path.
+  `dense_dtype` and `int8_from` by the same rule, the K-quant kernel in the place of the activation
+  modes, int8 activations against the K-quant codes (kquant.matmul_int8) as the int8 prefill path.
 - `choose_prefill_attention` (for the cpu attention backend, on the model's head shapes): the C
   prefill attention kernel or torch's SDPA over the gathered context.
 
@@ -223,13 +223,12 @@ def _dense_dtype(t: dict[str, dict[str, float]], flags: frozenset[str]) -> str |
 PREFILL_INT8 = "prefill_int8"  # the path: int8 codes (interleaved 4-bit rows, or K-quant rows), at GRID rows
 
 
-def _int8_beats_float(t: dict[str, dict[str, float]], act: str, r: int) -> bool:
-    """Whether int8 codes (PREFILL_INT8) may run `r` rows: LOWER_PRECISION_GAIN times faster than
-    each float32-class path there (the kernel in `act`, the dense float32 matmul; +0.35% perplexity
-    for int8 on the default model, BENCHMARKS.md), at BF16_DENSE_MIN_ROWS rows or more."""
-    k = str(r)
-    return (r >= BF16_DENSE_MIN_ROWS and k in t.get(PREFILL_INT8, {})
-            and t[PREFILL_INT8][k] * LOWER_PRECISION_GAIN <= min(t[act][k], t["dense"][k]))
+def _int8_rows(t: dict[str, dict[str, float]], act: str) -> set[int]:
+    """The measured batch sizes int8 codes (PREFILL_INT8) may run: BF16_DENSE_MIN_ROWS rows or more
+    where they are LOWER_PRECISION_GAIN times faster than each float32-class path (the kernel in
+    `act`, the dense float32 matmul; +0.35% perplexity for int8 on the default model, BENCHMARKS.md)."""
+    return {int(k) for k, v in t.get(PREFILL_INT8, {}).items()
+            if int(k) >= BF16_DENSE_MIN_ROWS and v * LOWER_PRECISION_GAIN <= min(t[act][k], t["dense"][k])}
 
 
 def choose(times: dict, counts: dict[str, int], allow_int8: bool = True, flags: frozenset[str] = frozenset(),
@@ -247,7 +246,7 @@ def choose(times: dict, counts: dict[str, int], allow_int8: bool = True, flags: 
     dense_dtype[shape]: `_dense_dtype`. dense_from: the smallest measured batch size from which the
     dense path (in that dtype) is at least as fast as the kernel (SMALL_DENSE_GAIN times faster up
     to SMALL_BATCH rows; in bfloat16 never below BF16_DENSE_MIN_ROWS) and as int8 codes where those
-    may run (`_int8_beats_float`), at it and every larger size measured. int8_from: where the
+    may run (`_int8_rows`), at it and every larger size measured. int8_from: where the
     kernel runs int16 or int8 activations at decode (weights laid out for them), the smallest
     measured size below dense_from from which int8 codes may run at every size up to dense_from.
     So on a CPU whose bfloat16 matmul is fast (AMX), int8 codes take the mid-sized batches and the
@@ -262,20 +261,17 @@ def choose(times: dict, counts: dict[str, int], allow_int8: bool = True, flags: 
     for shape, t in times.items():
         dense_dtype[shape] = _dense_dtype(t, flags)
         path = "dense_bf16" if dense_dtype[shape] else "dense"
-        def i8(r: int, t: dict = t) -> bool:
-            return int8_ok and _int8_beats_float(t, act, r)
-
+        i8 = _int8_rows(t, act) if int8_ok else set()
         from_ = NEVER
         for r in sorted((int(r) for r in t[path]), reverse=True):
             k = str(r)
             if t[path][k] * _path_gain("dense", r, flags) > t[act][k] or \
-                    (path == "dense_bf16" and r < BF16_DENSE_MIN_ROWS) or (i8(r) and t[PREFILL_INT8][k] < t[path][k]):
+                    (path == "dense_bf16" and r < BF16_DENSE_MIN_ROWS) or (r in i8 and t[PREFILL_INT8][k] < t[path][k]):
                 break
             from_ = r
-        dense_from[shape] = from_
-        int8_from[shape] = NEVER
-        for r in sorted((int(r) for r in t.get(PREFILL_INT8, {}) if int(r) < from_), reverse=True):
-            if not i8(r):
+        dense_from[shape], int8_from[shape] = from_, NEVER
+        for r in sorted((int(k) for k in t.get(PREFILL_INT8, {}) if int(k) < from_), reverse=True):
+            if r not in i8:
                 break
             int8_from[shape] = r
     return {"activations": act, "dense_from": dense_from, "dense_dtype": dense_dtype, "int8_from": int8_from}
@@ -369,8 +365,8 @@ def _decide_shapes(kind: str, shapes: list[str], paths_of: Callable[[str], dict[
 
 
 def tune_linears(model: nn.Module, dtype: torch.dtype, allow_int8: bool | None = None) -> dict | None:
-    """Measure and set each Blocks linear's `activations`, `dense_from`, `dense_dtype` and `int8_from`; None if
-    there are none."""
+    """Measure and set each Blocks linear's `activations`, `dense_from`, `dense_dtype` and
+    `int8_from`; None if there are none."""
     mods = [m for m in model.modules() if getattr(m, "path", None) == "blocks"]
     if not mods or not enabled() or qmatmul.load() is None:
         return None
@@ -522,8 +518,9 @@ def choose_prefill_attention(shape: list, kernel_source: str,
 
 
 def _dense_summary(chosen: dict, dtype: torch.dtype) -> str:
-    """'SHAPE [int8 from ROWS, ]FROM in DTYPE, ...' of a `choose` result, for the log line."""
-    return ", ".join(f"{s} " + (f"int8 from {chosen['int8_from'][s]}, dense " if chosen["int8_from"][s] != NEVER else "")
+    """'SHAPE [int8 from ROWS, dense ]FROM in DTYPE, ...' of a `choose` result, for the log line."""
+    i8 = chosen["int8_from"]
+    return ", ".join(f"{s} " + (f"int8 from {i8[s]}, dense " if i8[s] != NEVER else "")
                      + ("never" if v == NEVER else f"{v} in {chosen['dense_dtype'][s] or dtype_name(dtype)}")
                      for s, v in chosen["dense_from"].items())
 

@@ -7,8 +7,8 @@ multiplies them with int16 activations. Prefill-sized batches are compute-bound:
 tokens int8 activations against the codes (kquant.matmul_int8, 8 rows at a time decoded into a
 copy every token uses), and from `dense_from` the weight dequantized per call and one F.linear in
 `dense_dtype` (bfloat16 where the CPU has bfloat16 units; None: x's dtype), where tuning found
-each faster (kvserve.kernels.tuning.tune_kquant_linears). A fused linear (q/k/v, gate/up) may hold parts of
-different K-quant types: each is a range of output rows. Without the C kernel, or off the CPU, the
+each faster (kvserve.kernels.tuning.tune_kquant_linears). A fused linear (q/k/v, gate/up) may hold
+parts of different K-quant types: each is a range of output rows. Without the C kernel, or off the CPU, the
 weight is dequantized once at build instead (path "dense"), as the loader did before these types
 were kept.
 """
@@ -77,11 +77,6 @@ class KQuantLinear(_QuantLinear):
             return None
         return InplaceWeight(self.out_features, self.in_features, min(self.dense_from, self.int8_from),
                              kquant_parts=self.part_rows())
-
-    @property
-    def prefill_int8(self) -> bool:
-        """Whether some prefill-sized batches take int8 activations against the codes (tuning's int8_from)."""
-        return self.int8_from < self.dense_from
 
     def matrix(self) -> kquant.KqMatrix:
         """The C view of the weight (built once; again if the buffer was moved)."""

@@ -169,6 +169,12 @@ class _QuantLinear(nn.Module):
         of them (another path, or an input permutation)."""
         return None
 
+    @property
+    def prefill_int8(self) -> bool:
+        """Whether some prefill-sized batches run int8 codes (tuning's int8_from, below dense_from;
+        only the paths tuning measures have them)."""
+        return getattr(self, "int8_from", tuning.NEVER) < getattr(self, "dense_from", tuning.NEVER)
+
     def _stored_weight(self) -> torch.Tensor:
         """W [out, in] in stored column order, float32."""
         raise NotImplementedError
@@ -310,11 +316,6 @@ class GroupCodesLinear(_QuantLinear):
             return None
         return InplaceWeight(self.out_features, self.in_features, min(self.dense_from, self.int8_from),
                              blocks=self.blocks(), activations=self.activations)
-
-    @property
-    def prefill_int8(self) -> bool:
-        """Whether some prefill-sized batches run the kernel with int8 codes (tuning's int8_from)."""
-        return self.__dict__.get("int8_from", tuning.NEVER) < self.__dict__.get("dense_from", tuning.NEVER)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.path == "blocks":

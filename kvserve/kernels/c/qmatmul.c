@@ -872,8 +872,10 @@ static void split_codes(const int16_t *xq, int64_t M, int64_t K, uint8_t *lo, in
    word per row in each): r[i] holds rows i (low half) and i + 4 (high half), each its 4 words in
    chunk order, by a 4 x 8 transpose of 32-bit words. */
 static inline void il_rows_of_unit(const uint8_t *src, __m256i r[4]) {
-    const __m256i c0 = _mm256_loadu_si256((const __m256i *)src), c1 = _mm256_loadu_si256((const __m256i *)(src + 32));
-    const __m256i c2 = _mm256_loadu_si256((const __m256i *)(src + 64)), c3 = _mm256_loadu_si256((const __m256i *)(src + 96));
+    const __m256i c0 = _mm256_loadu_si256((const __m256i *)src);
+    const __m256i c1 = _mm256_loadu_si256((const __m256i *)(src + 32));
+    const __m256i c2 = _mm256_loadu_si256((const __m256i *)(src + 64));
+    const __m256i c3 = _mm256_loadu_si256((const __m256i *)(src + 96));
     const __m256i t0 = _mm256_unpacklo_epi32(c0, c1), t1 = _mm256_unpackhi_epi32(c0, c1);
     const __m256i t2 = _mm256_unpacklo_epi32(c2, c3), t3 = _mm256_unpackhi_epi32(c2, c3);
     r[0] = _mm256_unpacklo_epi64(t0, t2);
@@ -1616,6 +1618,28 @@ void qlinear(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_
     free(xs);
 }
 
+/* Row n's block b: its scale d and offset c (KSCALES: from the factored codes; else the float or
+   half scale at `at`, the offset too where there are offsets). */
+static inline void block_scale(int half, int ks, int il, const void *wd, const void *wc, int64_t nb, int64_t n,
+                               int64_t b, int64_t at, float *d, float *c) {
+    if (ks) k_scale_at(wd, wc, nb, il, n, b, d, c);
+    else {
+        *d = half ? half_to_float(((const uint16_t *)wd)[at]) : ((const float *)wd)[at];
+        *c = wc ? ((const float *)wc)[at] : 0.f;
+    }
+}
+#if defined(__AVX2__)
+/* One block's 32 codes wv as code * d + c (4-bit: the nibbles centred first, exact in float, as
+   codes_of does) into dst + o: float32, or bfloat16 when bf16. */
+static inline void store_block(const __m256 wv[4], int bits, float d, float c, void *dst, int64_t o, int bf16) {
+    for (int q = 0; q < 4; ++q) {
+        const __m256 code = bits == 4 ? _mm256_sub_ps(wv[q], _mm256_set1_ps(8.f)) : wv[q];
+        const __m256 v = _mm256_fmadd_ps(code, _mm256_set1_ps(d), _mm256_set1_ps(c));
+        if (bf16) _mm_storeu_si128((__m128i *)((uint16_t *)dst + o + 8 * q), bf16x8(v));
+        else _mm256_storeu_ps((float *)dst + o + 8 * q, v);
+    }
+}
+#endif
 /* Row n of W [N, K] (bits may carry HALF_SCALES, KSCALES, INTERLEAVED) into dst [K]: float32, or
    bfloat16 when bf16, float32's value rounded once. */
 static void dequantize_row(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t K, int64_t n,
@@ -1632,21 +1656,12 @@ static void dequantize_row(int bits, const uint8_t *wq, const void *wd, const vo
             for (int ch = 0; ch < bb / 4; ++ch)
                 memcpy(blk + 4 * ch, wq + ((n >> 3) * nb + b) * 8 * bb + 32 * ch + 4 * (n & 7), 4);
         float d, c;
-        if (ks) k_scale_at(wd, wc, nb, il, n, b, &d, &c);
-        else {
-            d = half ? half_to_float(((const uint16_t *)wd)[at]) : ((const float *)wd)[at];
-            c = wc ? ((const float *)wc)[at] : 0.f;
-        }
+        block_scale(half, ks, il, wd, wc, nb, n, b, at, &d, &c);
         const int64_t o = b * 32;
 #if defined(__AVX2__)
         __m256 wv[4];
         block_floats(il ? blk : wr, il ? 0 : b, bits, wv);
-        for (int q = 0; q < 4; ++q) {  /* 4-bit: the nibbles centred (exact in float), as codes_of does */
-            const __m256 code = bits == 4 ? _mm256_sub_ps(wv[q], _mm256_set1_ps(8.f)) : wv[q];
-            const __m256 v = _mm256_fmadd_ps(code, _mm256_set1_ps(d), _mm256_set1_ps(c));
-            if (bf16) _mm_storeu_si128((__m128i *)((uint16_t *)dst + o + 8 * q), bf16x8(v));
-            else _mm256_storeu_ps((float *)dst + o + 8 * q, v);
-        }
+        store_block(wv, bits, d, c, dst, o, bf16);
         continue;
 #endif
         int8_t code[32];
@@ -1661,15 +1676,11 @@ static void dequantize_row(int bits, const uint8_t *wq, const void *wd, const vo
     }
 }
 
-/* W [N, K] as float32, or bfloat16 when bf16 (bits may carry HALF_SCALES, KSCALES, INTERLEAVED).
-   bfloat16 is float32's value rounded once: the same bits as converting the float32 result,
-   without writing and reading it (a prefill's dense bfloat16 matmul dequantizes its weight on
-   every call). */
 #if defined(__AVX2__)
 /* Rows [8 g, 8 g + 8) of an interleaved 4-bit W (bits may carry HALF_SCALES, KSCALES) into dst,
    the values dequantize_row gives: each block's 4 chunks loaded once and transposed in registers
-   into the 8 rows' 16 bytes (il_rows_of_unit, as il_unpack does), where dequantize_row gathers a row's
-   words one by one through memory (4 narrow stores, then a wide load that cannot forward them). */
+   into the 8 rows' 16 bytes (il_rows_of_unit, as il_unpack does), where dequantize_row gathers a
+   row's words one by one through memory (4 narrow stores, then a wide load that cannot forward them). */
 static void dequantize_group_il4(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t K, int64_t g,
                                  void *dst, int bf16) {
     const int half = bits & HALF_SCALES, ks = bits & KSCALES;
@@ -1680,25 +1691,19 @@ static void dequantize_group_il4(int bits, const uint8_t *wq, const void *wd, co
         for (int i = 0; i < 8; ++i) {
             const int64_t n = 8 * g + i, at = (g * nb + b) * 8 + i;
             float d, c;
-            if (ks) k_scale_at(wd, wc, nb, 1, n, b, &d, &c);
-            else {
-                d = half ? half_to_float(((const uint16_t *)wd)[at]) : ((const float *)wd)[at];
-                c = wc ? ((const float *)wc)[at] : 0.f;
-            }
+            block_scale(half, ks, 1, wd, wc, nb, n, b, at, &d, &c);
             __m256 wv[4];
             nibble_floats(i < 4 ? _mm256_castsi256_si128(u[i]) : _mm256_extracti128_si256(u[i - 4], 1), wv);
-            const int64_t o = n * K + b * 32;
-            for (int q = 0; q < 4; ++q) {  /* the nibbles centred, as dequantize_row does */
-                const __m256 v = _mm256_fmadd_ps(_mm256_sub_ps(wv[q], _mm256_set1_ps(8.f)), _mm256_set1_ps(d),
-                                                 _mm256_set1_ps(c));
-                if (bf16) _mm_storeu_si128((__m128i *)((uint16_t *)dst + o + 8 * q), bf16x8(v));
-                else _mm256_storeu_ps((float *)dst + o + 8 * q, v);
-            }
+            store_block(wv, 4, d, c, dst, n * K + b * 32, bf16);
         }
     }
 }
 #endif
 
+/* W [N, K] as float32, or bfloat16 when bf16 (bits may carry HALF_SCALES, KSCALES, INTERLEAVED).
+   bfloat16 is float32's value rounded once: the same bits as converting the float32 result,
+   without writing and reading it (a prefill's dense bfloat16 matmul dequantizes its weight on
+   every call). */
 void dequantize(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t N, int64_t K, void *w,
                 int bf16, int nthreads) {
 #if defined(__AVX2__)
