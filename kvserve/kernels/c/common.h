@@ -95,9 +95,12 @@ static inline uint16_t float_to_bf16(float f) {
 
 /* e^x, branch-free: n = round(x log2 e), r = x - n ln 2 in two parts (Cody-Waite), e^r by Cephes'
    degree-7 expf polynomial, times 2^n put into the exponent bits. Relative error ~2e-7 (a few
-   float ulps); x is clamped to [-87, 88], so e^x never overflows and tiny results stay normal
-   (e^-87 ~ 1.6e-38: nothing a softmax or SiLU sees). */
+   float ulps); x is clamped to 88, so e^x never overflows, and below -87 it is exactly 0 (-inf too:
+   a masked score's weight), so a result is 0 or normal (e^-87 ~ 1.6e-38): a denormal float costs
+   an Intel core a microcode assist in each instruction that makes or reads it (~150 cycles), and
+   a masked score's 1.6e-38 times a value made one in every such product. */
 static inline float vexpf(float x) {
+    const int below = x < -87.f;
     x = x < -87.f ? -87.f : x > 88.f ? 88.f : x;
     const float n = floorf(x * 1.44269504088896341f + 0.5f);
     float r = x - n * 0.693359375f;
@@ -113,7 +116,7 @@ static inline float vexpf(float x) {
     memcpy(&u, &e, 4);
     u += (int32_t)n << 23;
     memcpy(&e, &u, 4);
-    return e;
+    return below ? 0.f : e;
 }
 /* Token m of M in the runs a prefill's int8 kernels take tokens in (runs of 8 while 8 are left,
    then 4, 2 and 1 of the rest): the run's first token *s and length *T. */

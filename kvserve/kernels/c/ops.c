@@ -32,10 +32,12 @@ static inline void rotary_row(float *x, int64_t h, int64_t d, const float *c, co
         }
     }
 }
-/* out [n] = silu(g) * u. */
+/* out [n] = silu(g) * u, as g u times the sigmoid 1 / (1 + e^-g): written as g / (1 + e^-g), GCC
+   computed the clamped case's g / (1 + e^88) as g times a denormal constant in every lane, a
+   microcode assist per vector on Intel (prefill's silu_mul 15x slower). */
 static inline void silu_mul_span(const float *g, const float *u, float *out, int64_t n) {
     #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.f + vexpf(-g[i])) * u[i];
+    for (int64_t i = 0; i < n; ++i) out[i] = g[i] * u[i] * (1.f / (1.f + vexpf(-g[i])));
 }
 /* out [n] = silu(gu[:n]) * gu[n:]. */
 static inline void silu_mul_row(const float *gu, float *out, int64_t n) { silu_mul_span(gu, gu + n, out, n); }
