@@ -57,10 +57,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvserve.kernels import build, cpu
 
@@ -86,7 +88,56 @@ def load() -> ctypes.CDLL | None:
     _lib = build.load_library("qmatmul", "qmatmul.c", _SIGNATURES)
     if _lib is not None:
         _lib.take_rows.restype = ctypes.c_int64  # -1, or the first position of an id out of range
+        if hasattr(_lib, "amx_linear"):  # built at the AVX-512 levels (c/qmatmul.c)
+            _lib.amx_enable.restype, _lib.amx_enable.argtypes = ctypes.c_int, []
+            _lib.amx_linear.restype = None
+            _lib.amx_linear.argtypes = [_int, _vp, _vp, _vp, _i64, _i64, _vp, _i64, _vp, _i64, _vp, _int]
     return _lib
+
+
+AMX_ENV = "KVSERVE_AMX"  # "0": no AMX tiles for the dense matmuls (amx_ready is False)
+_amx: bool | None = None
+
+
+def amx_ready() -> bool:
+    """Whether amx_linear runs here: the CPU has AMX-BF16, the kernels were built at an AVX-512
+    level, Linux granted the tile state, and AMX_ENV is not "0"."""
+    global _amx
+    if _amx is None:
+        lib = _lib or load()
+        _amx = bool(lib is not None and hasattr(lib, "amx_linear") and os.environ.get(AMX_ENV) != "0"
+                    and {"amx_bf16", "amx_tile"} <= cpu.cpu_flags() and lib.amx_enable())
+    return _amx
+
+
+def amx_fits(w: Blocks) -> bool:
+    """Whether amx_linear takes W: 32 rows at a time (any layout; interleaved 4-bit rows dequantize
+    fastest)."""
+    return w.shape[0] % 32 == 0
+
+
+def amx_linear(x: torch.Tensor, w: Blocks) -> torch.Tensor:
+    """x [M, K] @ W.T in float32 [M, N], on the AMX tiles: x rounded to bfloat16, W's 32-row panels
+    dequantized to bfloat16 as `dequantize` does, float32 sums (amx_ready and amx_fits hold)."""
+    if not (amx_ready() and amx_fits(w)):  # without Linux's grant a tile instruction is SIGILL
+        raise RuntimeError("amx_linear: no AMX tiles here, or a weight they do not take")
+    n, k = w.shape
+    x = x.float().contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, n)
+    xv = scratch(k * ((m + 31) // 32 * 32), torch.int16)  # the tokens' bfloat16 pairs
+    _lib.amx_linear(w.kind, w.codes.data_ptr(), w.d.data_ptr(), _ptr(w.c), n, k, x.data_ptr(), m, y.data_ptr(), n,
+                    xv.data_ptr(), torch.get_num_threads())
+    return y
+
+
+def dense_matmul(x: torch.Tensor, w: Blocks, dtype: torch.dtype) -> torch.Tensor:
+    """x @ W.T as a dense matmul in `dtype` (prefill-sized batches), in x's dtype: W dequantized into
+    this thread's scratch for torch's matmul, or, in bfloat16 where amx_ready and amx_fits, amx_linear
+    (no whole dequantized copy: 1.9x at 256 rows of 11264x2048 interleaved 4-bit, BENCHMARKS.md)."""
+    if dtype == torch.bfloat16 and amx_fits(w) and amx_ready():
+        return amx_linear(x, w).to(x.dtype)
+    return F.linear(x.to(dtype), dequantize(w, dtype, reuse=True)).to(x.dtype)
 
 
 @dataclass

@@ -292,10 +292,12 @@ def _linear_paths(m: nn.Module, dtype: torch.dtype, bf16: bool) -> dict[str, Cal
         mode: (lambda r, mode=mode: qmatmul.matmul(x[:r], laid[mode], mode)) for mode in qmatmul.MODES}
     if laid["int8"].interleaved:  # int8 codes for prefill-sized batches, on the int16 kernel's layout
         paths[PREFILL_INT8] = lambda r: qmatmul.matmul(x[:r], laid["int8"], "int8")
-    paths["dense"] = lambda r: F.linear(xd[:r], qmatmul.dequantize(w, dtype, reuse=True))
+    # the dense paths on the layout integer activations run with (4-bit: interleaved rows, which
+    # amx_linear dequantizes fastest), as every CPU measured so far runs its linears
+    wi = laid["int16"]
+    paths["dense"] = lambda r: qmatmul.dense_matmul(xd[:r], wi, dtype)
     if bf16:
-        paths["dense_bf16"] = lambda r: F.linear(xd[:r].bfloat16(),
-                                                 qmatmul.dequantize(w, torch.bfloat16, reuse=True)).to(dtype)
+        paths["dense_bf16"] = lambda r: qmatmul.dense_matmul(xd[:r], wi, torch.bfloat16)
     return paths
 
 
@@ -357,7 +359,7 @@ def _decide_shapes(kind: str, shapes: list[str], paths_of: Callable[[str], dict[
     def spot(entry: dict) -> str | None:
         return spot_check(_spot_pairs(entry["times"], rule(entry["times"]), paths_of, shapes))
 
-    source = build.source_digest(kernel_source)
+    source = build.source_digest(kernel_source) + ("+amx" if qmatmul.amx_ready() else "")  # AMX_ENV moves the times
     try:
         return decide(kind, [shapes, str(dtype), source], measure, spot)
     finally:  # the dense paths' buffers, as large as the largest weight timed (the LM head)

@@ -320,8 +320,7 @@ class GroupCodesLinear(_QuantLinear):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.path == "blocks":
             if x.shape[0] >= self.dense_from:  # prefill-sized: one dense matmul, on bf16 units if tuning chose them
-                dt = self.dense_dtype or x.dtype
-                return F.linear(x.to(dt), qmatmul.dequantize(self.blocks(), dt, reuse=True)).to(x.dtype)
+                return qmatmul.dense_matmul(x, self.blocks(), self.dense_dtype or x.dtype)
             if x.shape[0] >= self.int8_from:  # mid-sized, int8 codes (tuning chose)
                 return qmatmul.matmul(x.float(), self.blocks(), "int8").to(x.dtype)
             return qmatmul.matmul(x.float(), self.blocks(), self.activations).to(x.dtype)

@@ -182,6 +182,31 @@ def test_dequantize_into_a_reused_buffer():
     assert other[0] != ptr
 
 
+def test_amx_linear_matches_the_dequantized_matmul():
+    """The AMX tile matmul (Xeons with AMX-BF16 only) against torch's float32 matmul of the same
+    bfloat16 operands (x rounded, W dequantized to bfloat16): equal up to summation order, on every
+    layout it takes (interleaved 4-bit through its own dequantization, the rest row by row), token
+    counts off its 32-token blocks, and a panel of rows shorter than the rest."""
+    if qmatmul.load() is None or not qmatmul.amx_ready():
+        pytest.skip("no AMX tiles here")
+    weights = {"q4_0": _blocks(4, 96, 256, 32, half=True, symmetric=True)[1], "int4": _blocks(4, 224, 512, 64)[1],
+               "q4_k": _k_blocks(64, 512, 63)[1], "int8": _blocks(8, 64, 256, 32)[1]}
+    g = torch.Generator().manual_seed(5)
+    for name, w in weights.items():
+        for il in (False, True):
+            wl = qmatmul.relayout(w, il)
+            ref_w = qmatmul.dequantize(wl, torch.bfloat16).float()
+            assert torch.equal(ref_w, qmatmul.dequantize(w, torch.bfloat16).float())
+            for m in (1, 17, 40, 64):
+                x = torch.randn(m, w.shape[1], generator=g)
+                ref = F.linear(x.bfloat16().float(), ref_w)
+                y = qmatmul.amx_linear(x, wl)
+                assert float((y - ref).abs().max() / ref.abs().max()) < 1e-5, (name, il, m)
+                assert torch.equal(qmatmul.dense_matmul(x, wl, torch.bfloat16), y)  # the dense path takes it
+    with pytest.raises(RuntimeError, match="amx_linear"):
+        qmatmul.amx_linear(torch.randn(2, 256), _blocks(4, 40, 256, 32)[1])  # 40 rows: not whole panels
+
+
 @pytest.mark.parametrize("level", cpu.runnable_levels())
 def test_every_isa_level_this_cpu_runs(level, tmp_path):
     """Each level builds and passes (avx2 with torch's kernels held to AVX2 too)."""

@@ -841,14 +841,15 @@ static void il8_group_m(const uint8_t *wg, const void *dg, const int SCL, const 
 }
 #endif
 
-/* A per-thread byte buffer kept between calls: il_int16's split codes or il_chunk's row-major copies. */
+/* A per-thread byte buffer kept between calls, 64-byte aligned: il_int16's split codes, il_chunk's
+   row-major copies or amx_linear's panels. */
 static uint8_t *split_scratch(size_t n) {
     static __thread uint8_t *buf;
     static __thread size_t cap;
     if (n > cap) {
         free(buf);
-        buf = malloc(n);
-        cap = n;
+        cap = (n + 63) & ~(size_t)63;
+        buf = aligned_alloc(64, cap);
     }
     return buf;
 }
@@ -1681,8 +1682,13 @@ static void dequantize_row(int bits, const uint8_t *wq, const void *wd, const vo
    the values dequantize_row gives: each block's 4 chunks loaded once and transposed in registers
    into the 8 rows' 16 bytes (il_rows_of_unit, as il_unpack does), where dequantize_row gathers a
    row's words one by one through memory (4 narrow stores, then a wide load that cannot forward them). */
+/* Where dequantize_group_il4 puts row n's block b: r = n - row0 at (r / 16) r16 + (r % 16) r1 + b blk
+   elements of dst. Row-major [N, K]: {0, 16 K, K, 32}; amx_linear's tiles of 16 rows x 32: {row0,
+   16 K, 32, 512}. */
+struct rows_at { int64_t row0, r16, r1, blk; };
+
 static void dequantize_group_il4(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t K, int64_t g,
-                                 void *dst, int bf16) {
+                                 struct rows_at at_, void *dst, int bf16) {
     const int half = bits & HALF_SCALES, ks = bits & KSCALES;
     const int64_t nb = K / 32;
     for (int64_t b = 0; b < nb; ++b) {
@@ -1694,7 +1700,8 @@ static void dequantize_group_il4(int bits, const uint8_t *wq, const void *wd, co
             block_scale(half, ks, 1, wd, wc, nb, n, b, at, &d, &c);
             __m256 wv[4];
             nibble_floats(i < 4 ? _mm256_castsi256_si128(u[i]) : _mm256_extracti128_si256(u[i - 4], 1), wv);
-            store_block(wv, 4, d, c, dst, n * K + b * 32, bf16);
+            const int64_t r = n - at_.row0;
+            store_block(wv, 4, d, c, dst, r / 16 * at_.r16 + r % 16 * at_.r1 + b * at_.blk, bf16);
         }
     }
 }
@@ -1709,7 +1716,7 @@ void dequantize(int bits, const uint8_t *wq, const void *wd, const void *wc, int
 #if defined(__AVX2__)
     if ((bits & INTERLEAVED) && (bits & ~(HALF_SCALES | INTERLEAVED | KSCALES)) == 4 && N % 8 == 0) {
         #pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t g = 0; g < N / 8; ++g) dequantize_group_il4(bits, wq, wd, wc, K, g, w, bf16);
+        for (int64_t g = 0; g < N / 8; ++g) dequantize_group_il4(bits, wq, wd, wc, K, g, (struct rows_at){0, 16 * K, K, 32}, w, bf16);
         return;
     }
 #endif
@@ -1718,6 +1725,150 @@ void dequantize(int bits, const uint8_t *wq, const void *wd, const void *wc, int
         dequantize_row(bits, wq, wd, wc, K, n, bf16 ? (void *)((uint16_t *)w + n * K) : (void *)((float *)w + n * K),
                        bf16);
 }
+
+#if defined(__AVX512F__) && defined(__linux__)
+/* AMX (Sapphire Rapids and later): a dense bfloat16 matmul on the tile unit whose weight is never
+   written out whole. A thread takes 32 rows of W at a time, dequantizes them to bfloat16 as
+   `dequantize` would (a 128-360 KB panel that stays in L2) and runs every token against them;
+   the unfused path wrote the whole weight (46 MB for a 1.1B model's gate/up) and oneDNN read it
+   back on every call. Tiles (all 16 rows x 64 bytes): A = the panel's rows (16 weights' 32 values
+   of the k step), B = the tokens' bfloat16 pairs (xv [K / 2][Mp][2]: B's row p holds 16 tokens'
+   values k0 + 2p and k0 + 2p + 1, as TDPBF16PS reads them), C = float32 sums [16 rows][16 tokens],
+   written to y transposed. 2 x 2 tiles of C per step: 32 rows x 32 tokens. Linux grants a process
+   the tile state on request (amx_enable). */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f")))
+#define XFEATURE_XTILEDATA 18
+#define AMX_PANEL_BYTES (768 << 10)  /* a thread's dequantized rows at a time: in L2 */
+
+/* Ask Linux for the tile state (once per process; torch's oneDNN may have asked already): 1 when
+   this process may use the tiles. */
+int amx_enable(void) {
+    unsigned long mask = 0;
+    if (syscall(SYS_arch_prctl, 0x1022 /* ARCH_GET_XCOMP_PERM */, &mask) == 0 && (mask >> XFEATURE_XTILEDATA & 1))
+        return 1;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, XFEATURE_XTILEDATA) == 0;
+}
+
+struct amx_config { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+
+/* A 16 x 16 float block c (row stride 16) transposed into y's rows (stride ldy), rows below `rows`:
+   4x4 blocks by 32- and 64-bit unpacks, then 128-bit lanes across registers. */
+static inline void amx_store_transposed(const float *c, float *y, int64_t ldy, int64_t rows) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(c + 16 * i);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4)  /* r[i + j], lane l: column 4 l + j of rows i .. i + 3 */
+        for (int j = 0; j < 2; ++j) {
+            const __m512d a = _mm512_castps_pd(t[i + j]), b = _mm512_castps_pd(t[i + j + 2]);
+            r[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+            r[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        }
+    for (int j = 0; j < 4; ++j) {  /* columns 4 l + j from the four row quarters' registers */
+        const __m512 a = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x44), b = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x44);
+        const __m512 a2 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xEE), b2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xEE);
+        const __m512 col[4] = {_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD),
+                               _mm512_shuffle_f32x4(a2, b2, 0x88), _mm512_shuffle_f32x4(a2, b2, 0xDD)};
+        for (int l = 0; l < 4; ++l)
+            if (4 * l + j < rows) _mm512_storeu_ps(y + (4 * l + j) * ldy, col[l]);
+    }
+}
+
+/* dequantize_group_il4's bfloat16 for group g into amx_linear's panel (rows from n0; row r's block b
+   at (r / 16) 16 K + (r % 16) 32 + 512 b), 32 values at a time in 512-bit registers (AVX512-BF16,
+   which every AMX CPU has): the same bits (code - 8 exact, one FMA, rounded to nearest even). */
+__attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
+static void amx_dequant_group(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t K, int64_t g,
+                              int64_t n0, uint16_t *panel) {
+    const int half = bits & HALF_SCALES, ks = bits & KSCALES;
+    const int64_t nb = K / 32;
+    const __m512i low = _mm512_set1_epi32(0xF), eight = _mm512_set1_epi32(8);
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256i u[4];  /* rows j (low half) and j + 4 (high half) */
+        il_rows_of_unit(wq + (g * nb + b) * 8 * 16, u);
+        for (int i = 0; i < 8; ++i) {
+            const int64_t n = 8 * g + i, r = n - n0;
+            float d, c;
+            block_scale(half, ks, 1, wd, wc, nb, n, b, (g * nb + b) * 8 + i, &d, &c);
+            const __m512i v = _mm512_cvtepu8_epi32(i < 4 ? _mm256_castsi256_si128(u[i])
+                                                         : _mm256_extracti128_si256(u[i - 4], 1));
+            const __m512 dv = _mm512_set1_ps(d), cv = _mm512_set1_ps(c);
+            const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(v, low), eight)), dv, cv);
+            const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(v, 4), eight)), dv, cv);
+            _mm512_store_si512(panel + r / 16 * 16 * K + r % 16 * 32 + b * 512, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+        }
+    }
+}
+
+/* y [M, N] (row stride ldy) = x [M, K] W^T (bits as `dequantize` takes them; N a multiple of 32),
+   on the AMX tiles in bfloat16 with float32 sums; interleaved 4-bit rows dequantize fastest. xv:
+   scratch of K Mp bfloat16, Mp = M rounded up to 32. */
+AMX_TARGET void amx_linear(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t N, int64_t K,
+                           const float *x, int64_t M, float *y, int64_t ldy, uint16_t *xv, int nthreads) {
+    const int64_t Mp = (M + 31) / 32 * 32;
+    const int il4 = (bits & INTERLEAVED) && (bits & ~(HALF_SCALES | INTERLEAVED | KSCALES)) == 4;
+    int64_t np = 512;  /* rows per panel: as many as fit AMX_PANEL_BYTES, 2 panels per thread at least */
+    while (np > 32 && (np * K * 2 > AMX_PANEL_BYTES || np * 2 * nthreads > N)) np /= 2;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t m = 0; m < Mp; ++m) {  /* xv [Mp / 16][K / 2][16] pairs: each B tile 1 KB in a row */
+        uint32_t *dst = (uint32_t *)xv + m / 16 * (K / 2) * 16 + m % 16;
+        for (int64_t p0 = 0; p0 < K / 2; p0 += 16) {  /* 32 values (K is a multiple of 32) */
+            uint16_t h[32];
+            #pragma omp simd
+            for (int j = 0; j < 32; ++j) h[j] = m < M ? float_to_bf16(x[m * K + 2 * p0 + j]) : 0;
+            for (int j = 0; j < 16; ++j) dst[(p0 + j) * 16] = (uint32_t)h[2 * j] | (uint32_t)h[2 * j + 1] << 16;
+        }
+    }
+    #pragma omp parallel num_threads(nthreads)
+    {
+        struct amx_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; ++t) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+        _tile_loadconfig(&cfg);
+        uint16_t *panel = (uint16_t *)split_scratch(np * K * sizeof(uint16_t)), *row = (uint16_t *)thread_scratch(K);
+        float c[4][256] __attribute__((aligned(64)));
+        #pragma omp for schedule(static)
+        for (int64_t pn = 0; pn < (N + np - 1) / np; ++pn) {
+            const int64_t n0 = pn * np, rows = N - n0 < np ? N - n0 : np;
+            if (il4)
+                for (int64_t g = 0; g < rows / 8; ++g) amx_dequant_group(bits, wq, wd, wc, K, n0 / 8 + g, n0, panel);
+            else  /* other layouts row by row, as dequantize does, then into the tiles' places */
+                for (int64_t r = 0; r < rows; ++r) {
+                    dequantize_row(bits, wq, wd, wc, K, n0 + r, row, 1);
+                    for (int64_t b = 0; b < K / 32; ++b)
+                        memcpy(panel + r / 16 * 16 * K + r % 16 * 32 + b * 512, row + 32 * b, 64);
+                }
+            for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+                const uint16_t *x0 = xv + m0 / 16 * (K / 2) * 32, *x1 = x0 + (K / 2) * 32;
+                for (int64_t r0 = 0; r0 < rows; r0 += 32) {  /* the tokens' slab (L2) for each 32 rows */
+                    const uint16_t *a = panel + r0 * K;  /* 2 x 16 rows, each [K / 32][16][32] */
+                    _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+                    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+                        _tile_loadd(0, a + k0 * 16, 64);
+                        _tile_loadd(1, a + 16 * K + k0 * 16, 64);
+                        _tile_loadd(2, x0 + k0 * 16, 64);
+                        _tile_loadd(3, x1 + k0 * 16, 64);
+                        _tile_dpbf16ps(4, 0, 2); _tile_dpbf16ps(5, 0, 3);
+                        _tile_dpbf16ps(6, 1, 2); _tile_dpbf16ps(7, 1, 3);
+                    }
+                    _tile_stored(4, c[0], 64); _tile_stored(5, c[1], 64);
+                    _tile_stored(6, c[2], 64); _tile_stored(7, c[3], 64);
+                    for (int q = 0; q < 4; ++q) {  /* tile q: rows 16 (q / 2), tokens 16 (q % 2) */
+                        const int64_t t0 = m0 + 16 * (q % 2);
+                        if (t0 < M) amx_store_transposed(c[q], y + t0 * ldy + n0 + r0 + 16 * (q / 2), ldy, M - t0);
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+#endif
 
 /* Rows ids [count] of W [N, K] as float32 into out [count, K], the values dequantize gives: an
    embedding lookup. A few rows (a decode step's) on the calling thread: no threads to wake.
