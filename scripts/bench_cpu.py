@@ -82,6 +82,7 @@ CONFIGS = {
     "int8-activations": ({}, {"KVSERVE_INT8_ACTIVATIONS": "1"}),
     "int16-activations": ({}, {"KVSERVE_INT8_ACTIVATIONS": "0"}),  # int8 never a decode candidate
     "no-prefill-int8": ({}, {"KVSERVE_PREFILL_INT8": "0"}),
+    "no-amx": ({}, {"KVSERVE_AMX": "0"}),  # torch's dense matmul on a dequantized copy where AMX exists
     "tuning-off": ({}, {"KVSERVE_KERNEL_TUNING": "off"}),
     "no-decode-stack": ({}, {"KVSERVE_DECODE_STACK": "0"}),
     "kv-bf16": ({"kv_cache_dtype": "bfloat16"}, {}),  # what "auto" gives a GGUF on a CPU

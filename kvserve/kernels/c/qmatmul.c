@@ -1738,7 +1738,7 @@ void dequantize(int bits, const uint8_t *wq, const void *wd, const void *wc, int
    the tile state on request (amx_enable). */
 #include <sys/syscall.h>
 #include <unistd.h>
-#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f")))
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512f,avx512bw,avx512vl")))
 #define XFEATURE_XTILEDATA 18
 #define AMX_PANEL_BYTES (768 << 10)  /* a thread's dequantized rows at a time: in L2 */
 
@@ -1754,7 +1754,8 @@ int amx_enable(void) {
 struct amx_config { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
 
 /* A 16 x 16 float block c (row stride 16) transposed into y's rows (stride ldy), rows below `rows`:
-   4x4 blocks by 32- and 64-bit unpacks, then 128-bit lanes across registers. */
+   4x4 blocks by 32- and 64-bit unpacks, then 128-bit lanes across registers (any 32-bit words:
+   amx_linear's bfloat16 pairs too). */
 static inline void amx_store_transposed(const float *c, float *y, int64_t ldy, int64_t rows) {
     __m512 r[16], t[16];
     for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(c + 16 * i);
@@ -1814,15 +1815,18 @@ AMX_TARGET void amx_linear(int bits, const uint8_t *wq, const void *wd, const vo
     int64_t np = 512;  /* rows per panel: as many as fit AMX_PANEL_BYTES, 2 panels per thread at least */
     while (np > 32 && (np * K * 2 > AMX_PANEL_BYTES || np * 2 * nthreads > N)) np /= 2;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t m = 0; m < Mp; ++m) {  /* xv [Mp / 16][K / 2][16] pairs: each B tile 1 KB in a row */
-        uint32_t *dst = (uint32_t *)xv + m / 16 * (K / 2) * 16 + m % 16;
-        for (int64_t p0 = 0; p0 < K / 2; p0 += 16) {  /* 32 values (K is a multiple of 32) */
-            uint16_t h[32];
-            #pragma omp simd
-            for (int j = 0; j < 32; ++j) h[j] = m < M ? float_to_bf16(x[m * K + 2 * p0 + j]) : 0;
-            for (int j = 0; j < 16; ++j) dst[(p0 + j) * 16] = (uint32_t)h[2 * j] | (uint32_t)h[2 * j + 1] << 16;
+    for (int64_t mb = 0; mb < Mp / 16; ++mb)  /* xv [Mp / 16][K / 2][16] pairs: each B tile 1 KB in a row */
+        for (int64_t p0 = 0; p0 < K / 2; p0 += 16) {  /* 16 tokens' 16 pairs, transposed as C tiles are */
+            float t[16][16] __attribute__((aligned(64)));
+            for (int i = 0; i < 16; ++i) {
+                const int64_t m = 16 * mb + i;
+                const __m512i pairs = m < M ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + m * K + 2 * p0 + 16),
+                                                                         _mm512_loadu_ps(x + m * K + 2 * p0))
+                                            : _mm512_setzero_si512();
+                _mm512_store_si512(t[i], pairs);
+            }
+            amx_store_transposed(t[0], (float *)xv + (mb * (K / 2) + p0) * 16, 16, 16);
         }
-    }
     #pragma omp parallel num_threads(nthreads)
     {
         struct amx_config cfg;
