@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from kvserve.kernels import build, cpu
+from kvserve.kernels import build, cpu, qmatmul
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,8 @@ def bf16_products() -> bool:
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   starts: torch.Tensor, seq_lens: torch.Tensor, first: int, last: int, scale: float,
-                  positions: torch.Tensor | None, out: torch.Tensor, bf16: bool = False) -> None:
+                  positions: torch.Tensor | None, out: torch.Tensor, bf16: bool = False, amx: bool | None = None
+                  ) -> None:
     """Causal attention of requests [first, last) of a flat batch into their rows of out [T, Hq, D].
 
     q [T, Hq, D] float32 or bfloat16 (token rows may sit apart: a view of the fused qkv output), out
@@ -154,7 +155,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     (None: the last ones of its seq_lens[i] positions); the caches [blocks, block_size, Hkv, D] hold
     q's dtype (or bfloat16) and already every position up to each query's own. Rows of out outside those
     requests are left alone. bf16: the products of Q K^T and P V in bfloat16, summed in float32
-    (where bf16_products(); each input rounded to 8 significant bits once)."""
+    (where bf16_products(); each input rounded to 8 significant bits once), on the AMX tiles where
+    qmatmul.amx_ready() (amx=False: not even there) and the head size is a multiple of 32."""
     lib = load_kernel()
     assert lib is not None and out.is_contiguous() and out.dtype == q.dtype
     assert k_cache.dtype in (q.dtype, torch.bfloat16) and v_cache.dtype == k_cache.dtype
@@ -165,4 +167,5 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       v_cache.data_ptr(), ROW_KIND[k_cache.dtype], out.data_ptr(), tables.data_ptr(), tables.shape[1],
                       starts.data_ptr(), seq_lens.data_ptr(), None if pos is None else pos.data_ptr(), first, last,
                       q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale,
-                      int(bf16 and bf16_products()), torch.get_num_threads())
+                      (2 if amx is not False and qmatmul.amx_ready() else 1) if bf16 and bf16_products() else 0,
+                      torch.get_num_threads())

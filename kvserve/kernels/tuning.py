@@ -510,7 +510,8 @@ def choose_prefill_attention(shape: list, kernel_source: str,
         f = fns(case)
         return spot_check([(f"attention {case}", best, f[best], other, f[other], t[best][case] / t[other][case])])
 
-    entry, how = decide("attention", [shape, build.source_digest(kernel_source)], measure, spot)
+    source = build.source_digest(kernel_source) + ("+amx" if qmatmul.amx_ready() else "")  # AMX_ENV moves the times
+    entry, how = decide("attention", [shape, source], measure, spot)
     made.clear()
     chosen = pick_attention(entry["times"])
     logger.info("prefill attention -> %s (%s; rounds spread %.0f%%; %s)", chosen, how, 100 * entry_noise(entry),

@@ -291,7 +291,8 @@ def check_paged_prefill() -> list[str]:
     and tiles, one token alone, query positions given (a blend's) and not, strided queries (a view
     of a fused qkv output); and bfloat16 queries and pages (against the same attention of their
     values, to bfloat16's rounding of the output); where the CPU has them, bfloat16 products
-    (against the attention of the bfloat16-rounded values, to twice that)."""
+    (against the attention of the bfloat16-rounded values, to twice that), as dot products and, where
+    the CPU has AMX, on its tiles."""
     bad = []
     width = paged_attention.load_kernel().prefill_vector_width()
     g = torch.Generator().manual_seed(0)
@@ -312,15 +313,17 @@ def check_paged_prefill() -> list[str]:
         starts = torch.tensor([0] + [sum(n for _, n in shapes[:i + 1]) for i in range(len(shapes))])
         lens = torch.tensor([c + n for c, n in shapes])
         bf = paged_attention.bf16_products()
-        for given, dtype, prod in ((False, torch.float32, False), (True, torch.float32, False),
-                                   (True, torch.bfloat16, False), *([(True, torch.float32, True),
-                                                                     (False, torch.bfloat16, True)] if bf else [])):
+        for given, dtype, prod, amx in ((False, torch.float32, False, False), (True, torch.float32, False, False),
+                                        (True, torch.bfloat16, False, False),
+                                        *([(True, torch.float32, True, False), (False, torch.bfloat16, True, False),
+                                           (True, torch.float32, True, True), (False, torch.bfloat16, True, True)]
+                                          if bf else [])):
             pos = torch.cat([torch.randint(0, c + n, (n,), generator=g) if given else torch.arange(c, c + n)
                              for c, n in shapes])
             qx, kx, vx = (x.to(dtype) for x in (q, kc, vc))
             out = torch.full((tokens, hq, d), float("nan"), dtype=dtype)
             paged_attention.paged_prefill(qx, kx, vx, tables, starts, lens, 1, len(shapes), d ** -0.5,
-                                          pos if given else None, out, prod)
+                                          pos if given else None, out, prod, amx)
             if not torch.isnan(out[:starts[1]]).all():
                 bad.append(f"prefill {hq}/{hkv}x{d}: wrote rows of a request it was not given")
             tol = 2e-2 if prod else 1e-5 if dtype == torch.float32 else 8e-3

@@ -93,6 +93,45 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+#if defined(__AVX512F__) && defined(__linux__)
+/* AMX (Sapphire Rapids and later Xeons): the tile instructions, enabled per function (the AVX-512
+   levels' builds; used only where qmatmul.amx_ready). */
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512f,avx512bw,avx512vl")))
+/* This thread's 8 tiles, each 16 rows x 64 bytes (bfloat16 16 x 32, or float32 16 x 16). */
+AMX_TARGET static inline void amx_tiles_16x64(void) {
+    /* in memory the compiler cannot drop: GCC 12 treats a local's stores before ldtilecfg as dead */
+    static const struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg = {
+        .palette = 1, .colsb = {64, 64, 64, 64, 64, 64, 64, 64}, .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
+    _tile_loadconfig(&cfg);
+}
+AMX_TARGET static inline void amx_tiles_release(void) { _tile_release(); }
+/* A 16 x 16 block of 32-bit words (floats, or pairs of bfloat16) at in (row stride ldi) transposed
+   into out's rows (stride ldo), the first `rows` of them: 4x4 blocks by 32- and 64-bit unpacks,
+   then 128-bit lanes across registers. */
+static inline void transpose16(const float *in, int64_t ldi, float *out, int64_t ldo, int64_t rows) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + i * ldi);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4)  /* r[i + j], lane l: column 4 l + j of rows i .. i + 3 */
+        for (int j = 0; j < 2; ++j) {
+            const __m512d a = _mm512_castps_pd(t[i + j]), b = _mm512_castps_pd(t[i + j + 2]);
+            r[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+            r[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        }
+    for (int j = 0; j < 4; ++j) {  /* columns 4 l + j from the four row quarters' registers */
+        const __m512 a = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x44), b = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x44);
+        const __m512 a2 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xEE), b2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xEE);
+        const __m512 col[4] = {_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD),
+                               _mm512_shuffle_f32x4(a2, b2, 0x88), _mm512_shuffle_f32x4(a2, b2, 0xDD)};
+        for (int l = 0; l < 4; ++l)
+            if (4 * l + j < rows) _mm512_storeu_ps(out + (4 * l + j) * ldo, col[l]);
+    }
+}
+#endif
+
 /* e^x, branch-free: n = round(x log2 e), r = x - n ln 2 in two parts (Cody-Waite), e^r by Cephes'
    degree-7 expf polynomial, times 2^n put into the exponent bits. Relative error ~2e-7 (a few
    float ulps); x is clamped to 88, so e^x never overflows, and below -87 it is exactly 0 (-inf too:

@@ -580,15 +580,59 @@ FA_BF16_TARGET static void fa_bf_pv(const uint16_t *pb, int64_t m, int64_t rows4
                 for (int c = 0; c < dv; ++c) _mm512_storeu_ps(o + (m0 + r) * d + e0 + 16 * c, acc[r][c]);
         }
 }
+#if defined(__linux__)
+/* The same products on AMX tiles (bf == 2; d a multiple of 32, np of 32): S tiles [16 keys][16 rows]
+   = kb's 16 keys x 32 elements against qb's 16 element pairs x 16 rows; O tiles [16 rows][16 of d]
+   += pa's 16 rows x 32 keys (P row-major: pb's pairs transposed) against vb's 16 key pairs x 16.
+   The same bfloat16 inputs and float32 sums as the dot products above, in another order. */
+#define FA_AMX 1
+AMX_TARGET static void fa_amx_scores(const uint16_t *kb, const uint16_t *qb, int64_t m, int64_t d, int64_t np,
+                                     float *s) {
+    for (int64_t n0 = 0; n0 < np; n0 += 16)
+        for (int64_t c = 0; c < m; c += 32) {
+            _tile_zero(4); _tile_zero(5);
+            for (int64_t e0 = 0; e0 < d; e0 += 32) {
+                _tile_loadd(0, kb + n0 * d + e0, d * 2);
+                _tile_loadd(2, qb + (e0 / 2 * m + c) * 2, m * 4);
+                _tile_loadd(3, qb + (e0 / 2 * m + c + 16) * 2, m * 4);
+                _tile_dpbf16ps(4, 0, 2); _tile_dpbf16ps(5, 0, 3);
+            }
+            _tile_stored(4, s + n0 * m + c, m * 4);
+            _tile_stored(5, s + n0 * m + c + 16, m * 4);
+        }
+}
+/* o[r][..d] += P V for rows [0, rows16) (a multiple of 16), P as pb [np / 2][m] pairs; pa: scratch
+   for P row-major [m][np]. */
+AMX_TARGET static void fa_amx_pv(const uint16_t *pb, uint16_t *pa, int64_t m, int64_t rows16, const uint16_t *vb,
+                                 int64_t d, int64_t np, float *o) {
+    for (int64_t t0 = 0; t0 < np / 2; t0 += 16)
+        for (int64_t r0 = 0; r0 < rows16; r0 += 16)
+            transpose16((const float *)pb + t0 * m + r0, m, (float *)pa + r0 * (np / 2) + t0, np / 2, 16);
+    for (int64_t r0 = 0; r0 < rows16; r0 += 16)
+        for (int64_t e0 = 0; e0 < d; e0 += 16) {
+            _tile_loadd(4, o + r0 * d + e0, d * 4);
+            for (int64_t k0 = 0; k0 < np; k0 += 32) {
+                _tile_loadd(0, pa + r0 * np + k0, np * 2);
+                _tile_loadd(2, vb + (k0 / 2 * d + e0) * 2, d * 4);
+                _tile_dpbf16ps(4, 0, 2);
+            }
+            _tile_stored(4, o + r0 * d + e0, d * 4);
+        }
+}
+#endif
 #else
 #define FA_BF16 0
 #endif
-int prefill_bf16_products(void) { return FA_BF16; }
+#ifndef FA_AMX
+#define FA_AMX 0
+#endif
+/* 0: no bfloat16 products in this build; 1: AVX512-BF16 dot products; 2: AMX tiles too. */
+int prefill_bf16_products(void) { return FA_BF16 + FA_AMX; }
 
 /* Scratch floats of one thread for rows of m query rows and head size d (fa_tile's layout: qt, s, o,
    kc, vc, mx, l, alpha, qp, a zero row, then the bfloat16 copies qb, kb, vb, pb). */
 static inline int64_t fa_scratch_floats(int64_t m, int64_t d) {
-    return d * m + FA_N * m + m * d + 2 * FA_N * d + 4 * m + d + (d * m + 2 * FA_N * d + FA_N * m + 1) / 2;
+    return d * m + FA_N * m + m * d + 2 * FA_N * d + 4 * m + d + (d * m + 2 * FA_N * d + 2 * FA_N * m + 1) / 2;
 }
 
 /* One task: kv head h, query tokens tok[0 .. nt) (rows of q at q_stride floats; their positions
@@ -602,7 +646,7 @@ static void fa_tile(const void *q, int q_bf16, int64_t q_stride, const int64_t *
     float *qt = scratch, *s = qt + d * m, *o = s + FA_N * m, *kc = o + m * d, *vc = kc + FA_N * d;
     float *mx = vc + FA_N * d, *l = mx + m, *alpha = l + m, *qp = alpha + m, *zero = qp + m;
 #if FA_BF16
-    uint16_t *qb = (uint16_t *)(zero + d), *kb = qb + d * m, *vb = kb + FA_N * d, *pb = vb + FA_N * d;
+    uint16_t *qb = (uint16_t *)(zero + d), *kb = qb + d * m, *vb = kb + FA_N * d, *pb = vb + FA_N * d, *pa = pb + FA_N * m;
 #endif
     int64_t lo = pos[0], hi = pos[0];
     for (int64_t t = 0; t < nt; ++t) { lo = pos[t] < lo ? pos[t] : lo; hi = pos[t] > hi ? pos[t] : hi; }
@@ -629,7 +673,8 @@ static void fa_tile(const void *q, int q_bf16, int64_t q_stride, const int64_t *
     const void *vb_rows[FA_N];  /* its V rows as the pages hold them (bfloat16 products) */
 #endif
     for (int64_t k0 = 0; k0 < len; k0 += FA_N) {
-        const int64_t n = len - k0 < FA_N ? len - k0 : FA_N, np = (n + FA_R - 1) / FA_R * FA_R;
+        const int64_t keys = bf == 2 ? 32 : FA_R;  /* np: a whole number of the products' key steps */
+        const int64_t n = len - k0 < FA_N ? len - k0 : FA_N, np = (n + keys - 1) / keys * keys;
         for (int64_t t = 0; t < np; ++t) {  /* the chunk's K/V rows in the pages; zeros past its keys */
             const int64_t p = k0 + t;
             const int64_t idx = t < n ? (table[p / block_size] * block_size + p % block_size) * width + h * d : 0;
@@ -656,6 +701,10 @@ static void fa_tile(const void *q, int q_bf16, int64_t q_stride, const int64_t *
         if (bf) {
             for (int64_t t2 = 0; t2 < np / 2; ++t2)
                 fa_bf_pairs(vb_rows[2 * t2], vb_rows[2 * t2 + 1], kv_kind == ROW_BF16, d, vb + t2 * d * 2);
+#if FA_AMX
+            if (bf == 2) fa_amx_scores(kb, qb, m, d, np, s);
+            else
+#endif
             fa_bf_scores(kb, qb, m, d, np, s);
         } else
 #endif
@@ -693,6 +742,10 @@ static void fa_tile(const void *q, int q_bf16, int64_t q_stride, const int64_t *
         if (bf) {
             for (int64_t t2 = 0; t2 < np / 2; ++t2)
                 fa_bf_pairs(s + 2 * t2 * m, s + (2 * t2 + 1) * m, 0, m, pb + t2 * m * 2);
+#if FA_AMX
+            if (bf == 2) fa_amx_pv(pb, pa, m, (rows + 15) / 16 * 16, vb, d, np, o);
+            else
+#endif
             fa_bf_pv(pb, m, rows4, vb, d, np, o);
             continue;
         }
@@ -733,7 +786,7 @@ void paged_prefill(const void *q, int q_bf16, int64_t q_stride, const void *k_ca
                    const int64_t *seq_lens, const int64_t *pos, int64_t r0, int64_t r1, int64_t hq, int64_t hkv,
                    int64_t d, int64_t block_size, float scale, int bf16_products, int num_threads) {
     const int64_t g = hq / hkv, tq = prefill_tile_tokens(g);
-    const int bf = FA_BF16 && bf16_products && d % 16 == 0;
+    const int bf = FA_BF16 && bf16_products && d % 16 == 0 ? (FA_AMX && bf16_products == 2 && d % 32 == 0 ? 2 : 1) : 0;
     const int64_t m = (tq * g + 2 * FA_VW - 1) / (2 * FA_VW) * (2 * FA_VW);
     int64_t ntasks = 0, ntok = starts[r1] - starts[r0];
     for (int64_t i = r0; i < r1; ++i) ntasks += (starts[i + 1] - starts[i] + tq - 1) / tq * hkv;
@@ -756,6 +809,9 @@ void paged_prefill(const void *q, int q_bf16, int64_t q_stride, const void *k_ca
     #pragma omp parallel num_threads(num_threads)
     {
         float *scratch = malloc(sizeof(float) * fa_scratch_floats(m, d));
+#if FA_AMX
+        if (bf == 2) amx_tiles_16x64();
+#endif
         #pragma omp for schedule(dynamic, 1)
         for (int64_t x = 0; x < ntasks; ++x) {
             const int64_t i = task[3 * x], t0 = task[3 * x + 1], h = task[3 * x + 2];
@@ -763,6 +819,9 @@ void paged_prefill(const void *q, int q_bf16, int64_t q_stride, const void *k_ca
             fa_tile(q, q_bf16, q_stride, tok + off, tpos + off, n, k_cache, v_cache, kv_kind, tables + i * table_stride,
                     block_size, hq, hkv, d, h, m, scale, bf, out, scratch);
         }
+#if FA_AMX
+        if (bf == 2) amx_tiles_release();
+#endif
         free(scratch);
     }
     free(task); free(tok); free(tpos);

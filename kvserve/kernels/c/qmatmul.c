@@ -1728,17 +1728,17 @@ void dequantize(int bits, const uint8_t *wq, const void *wd, const void *wc, int
 
 #if defined(__AVX512F__) && defined(__linux__)
 /* AMX (Sapphire Rapids and later): a dense bfloat16 matmul on the tile unit whose weight is never
-   written out whole. A thread takes 32 rows of W at a time, dequantizes them to bfloat16 as
-   `dequantize` would (a 128-360 KB panel that stays in L2) and runs every token against them;
-   the unfused path wrote the whole weight (46 MB for a 1.1B model's gate/up) and oneDNN read it
-   back on every call. Tiles (all 16 rows x 64 bytes): A = the panel's rows (16 weights' 32 values
-   of the k step), B = the tokens' bfloat16 pairs (xv [K / 2][Mp][2]: B's row p holds 16 tokens'
-   values k0 + 2p and k0 + 2p + 1, as TDPBF16PS reads them), C = float32 sums [16 rows][16 tokens],
-   written to y transposed. 2 x 2 tiles of C per step: 32 rows x 32 tokens. Linux grants a process
-   the tile state on request (amx_enable). */
+   written out whole. A thread takes a panel of W's rows at a time (as many as fit AMX_PANEL_BYTES,
+   up to 512), dequantizes it to bfloat16 as `dequantize` would, and runs every token against it;
+   torch's path wrote the whole weight (46 MB for a 1.1B model's gate/up) and oneDNN read it back on
+   every call. Tiles (common.h: 16 rows x 64 bytes): A = 16 of the panel's rows x 32 values (the
+   panel stored tile by tile: each A tile 1 KB in a row), B = 16 tokens' bfloat16 pairs (xv
+   [Mp / 16][K / 2][16] pairs: B's row p holds the tokens' values k0 + 2p and k0 + 2p + 1, as
+   TDPBF16PS reads them), C = float32 sums [16 rows][16 tokens], written to y transposed; 2 x 2
+   tiles of C per step (32 rows x 32 tokens), each over the whole K. Linux grants a process the
+   tile state on request (amx_enable). */
 #include <sys/syscall.h>
 #include <unistd.h>
-#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512f,avx512bw,avx512vl")))
 #define XFEATURE_XTILEDATA 18
 #define AMX_PANEL_BYTES (768 << 10)  /* a thread's dequantized rows at a time: in L2 */
 
@@ -1749,34 +1749,6 @@ int amx_enable(void) {
     if (syscall(SYS_arch_prctl, 0x1022 /* ARCH_GET_XCOMP_PERM */, &mask) == 0 && (mask >> XFEATURE_XTILEDATA & 1))
         return 1;
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, XFEATURE_XTILEDATA) == 0;
-}
-
-struct amx_config { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
-
-/* A 16 x 16 float block c (row stride 16) transposed into y's rows (stride ldy), rows below `rows`:
-   4x4 blocks by 32- and 64-bit unpacks, then 128-bit lanes across registers (any 32-bit words:
-   amx_linear's bfloat16 pairs too). */
-static inline void amx_store_transposed(const float *c, float *y, int64_t ldy, int64_t rows) {
-    __m512 r[16], t[16];
-    for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(c + 16 * i);
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4)  /* r[i + j], lane l: column 4 l + j of rows i .. i + 3 */
-        for (int j = 0; j < 2; ++j) {
-            const __m512d a = _mm512_castps_pd(t[i + j]), b = _mm512_castps_pd(t[i + j + 2]);
-            r[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-            r[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-        }
-    for (int j = 0; j < 4; ++j) {  /* columns 4 l + j from the four row quarters' registers */
-        const __m512 a = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x44), b = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x44);
-        const __m512 a2 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xEE), b2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xEE);
-        const __m512 col[4] = {_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD),
-                               _mm512_shuffle_f32x4(a2, b2, 0x88), _mm512_shuffle_f32x4(a2, b2, 0xDD)};
-        for (int l = 0; l < 4; ++l)
-            if (4 * l + j < rows) _mm512_storeu_ps(y + (4 * l + j) * ldy, col[l]);
-    }
 }
 
 /* dequantize_group_il4's bfloat16 for group g into amx_linear's panel (rows from n0; row r's block b
@@ -1825,15 +1797,11 @@ AMX_TARGET void amx_linear(int bits, const uint8_t *wq, const void *wd, const vo
                                             : _mm512_setzero_si512();
                 _mm512_store_si512(t[i], pairs);
             }
-            amx_store_transposed(t[0], (float *)xv + (mb * (K / 2) + p0) * 16, 16, 16);
+            transpose16(t[0], 16, (float *)xv + (mb * (K / 2) + p0) * 16, 16, 16);
         }
     #pragma omp parallel num_threads(nthreads)
     {
-        struct amx_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; ++t) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
-        _tile_loadconfig(&cfg);
+        amx_tiles_16x64();
         uint16_t *panel = (uint16_t *)split_scratch(np * K * sizeof(uint16_t)), *row = (uint16_t *)thread_scratch(K);
         float c[4][256] __attribute__((aligned(64)));
         #pragma omp for schedule(static)
@@ -1864,12 +1832,12 @@ AMX_TARGET void amx_linear(int bits, const uint8_t *wq, const void *wd, const vo
                     _tile_stored(6, c[2], 64); _tile_stored(7, c[3], 64);
                     for (int q = 0; q < 4; ++q) {  /* tile q: rows 16 (q / 2), tokens 16 (q % 2) */
                         const int64_t t0 = m0 + 16 * (q % 2);
-                        if (t0 < M) amx_store_transposed(c[q], y + t0 * ldy + n0 + r0 + 16 * (q / 2), ldy, M - t0);
+                        if (t0 < M) transpose16(c[q], 16, y + t0 * ldy + n0 + r0 + 16 * (q / 2), ldy, M - t0);
                     }
                 }
             }
         }
-        _tile_release();
+        amx_tiles_release();
     }
 }
 #endif
