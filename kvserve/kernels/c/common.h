@@ -122,8 +122,10 @@ static inline void transpose16(const float *in, int64_t ldi, float *out, int64_t
             r[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
         }
     for (int j = 0; j < 4; ++j) {  /* columns 4 l + j from the four row quarters' registers */
-        const __m512 a = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x44), b = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x44);
-        const __m512 a2 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xEE), b2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xEE);
+        const __m512 a = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x44);
+        const __m512 b = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x44);
+        const __m512 a2 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xEE);
+        const __m512 b2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xEE);
         const __m512 col[4] = {_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD),
                                _mm512_shuffle_f32x4(a2, b2, 0x88), _mm512_shuffle_f32x4(a2, b2, 0xDD)};
         for (int l = 0; l < 4; ++l)

@@ -630,7 +630,7 @@ AMX_TARGET static void fa_amx_pv(const uint16_t *pb, uint16_t *pa, int64_t m, in
 int prefill_bf16_products(void) { return FA_BF16 + FA_AMX; }
 
 /* Scratch floats of one thread for rows of m query rows and head size d (fa_tile's layout: qt, s, o,
-   kc, vc, mx, l, alpha, qp, a zero row, then the bfloat16 copies qb, kb, vb, pb). */
+   kc, vc, mx, l, alpha, qp, a zero row, then the bfloat16 copies qb, kb, vb, pb and P row-major, pa). */
 static inline int64_t fa_scratch_floats(int64_t m, int64_t d) {
     return d * m + FA_N * m + m * d + 2 * FA_N * d + 4 * m + d + (d * m + 2 * FA_N * d + 2 * FA_N * m + 1) / 2;
 }
@@ -646,7 +646,8 @@ static void fa_tile(const void *q, int q_bf16, int64_t q_stride, const int64_t *
     float *qt = scratch, *s = qt + d * m, *o = s + FA_N * m, *kc = o + m * d, *vc = kc + FA_N * d;
     float *mx = vc + FA_N * d, *l = mx + m, *alpha = l + m, *qp = alpha + m, *zero = qp + m;
 #if FA_BF16
-    uint16_t *qb = (uint16_t *)(zero + d), *kb = qb + d * m, *vb = kb + FA_N * d, *pb = vb + FA_N * d, *pa = pb + FA_N * m;
+    uint16_t *qb = (uint16_t *)(zero + d), *kb = qb + d * m, *vb = kb + FA_N * d, *pb = vb + FA_N * d;
+    uint16_t *pa = pb + FA_N * m;
 #endif
     int64_t lo = pos[0], hi = pos[0];
     for (int64_t t = 0; t < nt; ++t) { lo = pos[t] < lo ? pos[t] : lo; hi = pos[t] > hi ? pos[t] : hi; }

@@ -1682,13 +1682,8 @@ static void dequantize_row(int bits, const uint8_t *wq, const void *wd, const vo
    the values dequantize_row gives: each block's 4 chunks loaded once and transposed in registers
    into the 8 rows' 16 bytes (il_rows_of_unit, as il_unpack does), where dequantize_row gathers a
    row's words one by one through memory (4 narrow stores, then a wide load that cannot forward them). */
-/* Where dequantize_group_il4 puts row n's block b: r = n - row0 at (r / 16) r16 + (r % 16) r1 + b blk
-   elements of dst. Row-major [N, K]: {0, 16 K, K, 32}; amx_linear's tiles of 16 rows x 32: {row0,
-   16 K, 32, 512}. */
-struct rows_at { int64_t row0, r16, r1, blk; };
-
 static void dequantize_group_il4(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t K, int64_t g,
-                                 struct rows_at at_, void *dst, int bf16) {
+                                 void *dst, int bf16) {
     const int half = bits & HALF_SCALES, ks = bits & KSCALES;
     const int64_t nb = K / 32;
     for (int64_t b = 0; b < nb; ++b) {
@@ -1700,8 +1695,7 @@ static void dequantize_group_il4(int bits, const uint8_t *wq, const void *wd, co
             block_scale(half, ks, 1, wd, wc, nb, n, b, at, &d, &c);
             __m256 wv[4];
             nibble_floats(i < 4 ? _mm256_castsi256_si128(u[i]) : _mm256_extracti128_si256(u[i - 4], 1), wv);
-            const int64_t r = n - at_.row0;
-            store_block(wv, 4, d, c, dst, r / 16 * at_.r16 + r % 16 * at_.r1 + b * at_.blk, bf16);
+            store_block(wv, 4, d, c, dst, n * K + b * 32, bf16);
         }
     }
 }
@@ -1716,7 +1710,7 @@ void dequantize(int bits, const uint8_t *wq, const void *wd, const void *wc, int
 #if defined(__AVX2__)
     if ((bits & INTERLEAVED) && (bits & ~(HALF_SCALES | INTERLEAVED | KSCALES)) == 4 && N % 8 == 0) {
         #pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t g = 0; g < N / 8; ++g) dequantize_group_il4(bits, wq, wd, wc, K, g, (struct rows_at){0, 16 * K, K, 32}, w, bf16);
+        for (int64_t g = 0; g < N / 8; ++g) dequantize_group_il4(bits, wq, wd, wc, K, g, w, bf16);
         return;
     }
 #endif
@@ -1770,8 +1764,10 @@ static void amx_dequant_group(int bits, const uint8_t *wq, const void *wd, const
             const __m512i v = _mm512_cvtepu8_epi32(i < 4 ? _mm256_castsi256_si128(u[i])
                                                          : _mm256_extracti128_si256(u[i - 4], 1));
             const __m512 dv = _mm512_set1_ps(d), cv = _mm512_set1_ps(c);
-            const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(v, low), eight)), dv, cv);
-            const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(v, 4), eight)), dv, cv);
+            const __m512i lo = _mm512_sub_epi32(_mm512_and_si512(v, low), eight);
+            const __m512i hi = _mm512_sub_epi32(_mm512_srli_epi32(v, 4), eight);
+            const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), dv, cv);
+            const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), dv, cv);
             _mm512_store_si512(panel + r / 16 * 16 * K + r % 16 * 32 + b * 512, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
         }
     }
