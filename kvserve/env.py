@@ -113,6 +113,7 @@ def _c_kernels() -> dict[str, Any]:
                            if cc else None}
     for name, module, fn in C_KERNELS:
         out[name] = _attempt(lambda m=module, f=fn: getattr(importlib.import_module(m), f)() is not None)
+    out["amx"] = _attempt(lambda: importlib.import_module("kvserve.kernels.qmatmul").amx_ready())
     return out
 
 
@@ -272,7 +273,10 @@ def format(info: dict[str, Any]) -> str:
          f"{t['cuda']} ({'a device' if t['cuda_available'] else 'no device'} available)")])
     out += _section("C kernels", info["c_kernels"], lambda k: [
         ("compiler", f"{k['compiler']}: {k['compiler_version']}" if k["compiler"] else "none (set CC or install gcc)"),
-        *((name, _loads(k[name])) for name, _, _ in C_KERNELS)])
+        *((name, _loads(k[name])) for name, _, _ in C_KERNELS),
+        ("AMX tiles", "used for bfloat16 prefill matmuls and attention (KVSERVE_AMX=0: not)" if k["amx"] is True
+         else "not used (no AMX-BF16, an AVX2 or lower build, KVSERVE_AMX=0, or Linux refused the tile state)"
+         if k["amx"] is False else k["amx"])])
     out += ["memory", *_rows([("read bandwidth", _bandwidth_line(info["memory_bandwidth"]))])]
     out += _section("cache", info["cache"], lambda c: [
         ("dir", c["dir"]), ("kernels/", c["kernels"]),

@@ -76,9 +76,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if not (self.prefill_kernel and paged_attention.supports_prefill(q, k_cache)):
             return super()._prefills(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale, out)
         starts = torch.tensor(meta.query_start_loc, dtype=torch.int64)
+        # bfloat16 products only for steps with as many prefill rows as the linears' bfloat16 and int8
+        # paths need: fewer (a short prompt, a cached prompt's tail) keep float32 attention as they
+        # keep float32-class linears, so their outputs do not move with the tuning's choice
+        rows = meta.query_start_loc[meta.num_reqs] - meta.query_start_loc[meta.num_decodes]
         paged_attention.paged_prefill(q, k_cache, v_cache, meta.block_tables, starts, meta.seq_lens_tensor,
                                       meta.num_decodes, meta.num_reqs, scale, meta.query_positions, out,
-                                      self.prefill_bf16)
+                                      self.prefill_bf16 and rows >= tuning.BF16_DENSE_MIN_ROWS)
 
     def _write_fp8(self, cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float) -> None:
         if paged_attention.supports_write(cache, x):

@@ -661,18 +661,20 @@ def attention_clock(table: dict[str, dict[str, float]]) -> Callable[[str, int], 
     return lambda label, n: table[label.split("@")[0]][label.split(" ")[-1]]
 
 
-def prefill_kernel_calls(backend, monkeypatch) -> list[tuple]:
+def prefill_kernel_calls(backend, monkeypatch, n: int = 5) -> list[tuple]:
     """The C prefill kernel's calls (argument tuples; the kernel itself not run) while `backend`
-    runs one request's 5-token prefill chunk after 4 cached tokens (8 query heads, 2 kv heads, 64 wide)."""
+    runs one request's n-token prefill chunk after 4 cached tokens (8 query heads, 2 kv heads, 64 wide)."""
     from kvserve.attention import AttentionMetadata
     from kvserve.kernels import paged_attention
 
     calls = []
     monkeypatch.setattr(paged_attention, "paged_prefill", lambda *a: calls.append(a))
-    q, kc = torch.randn(5, 8, 64), torch.randn(4, 4, 2, 64)
-    meta = AttentionMetadata(num_decodes=0, query_start_loc=[0, 5], seq_lens=[9], slot_mapping=torch.arange(4, 9),
-                             block_tables=torch.tensor([[0, 1, 2]]), seq_lens_tensor=torch.tensor([9]), block_size=4)
-    k_new = torch.randn(5, 2, 64)
+    blocks = -(-(4 + n) // 4)
+    q, kc = torch.randn(n, 8, 64), torch.randn(blocks, 4, 2, 64)
+    meta = AttentionMetadata(num_decodes=0, query_start_loc=[0, n], seq_lens=[4 + n],
+                             slot_mapping=torch.arange(4, 4 + n), block_tables=torch.arange(blocks)[None],
+                             seq_lens_tensor=torch.tensor([4 + n]), block_size=4)
+    k_new = torch.randn(n, 2, 64)
     backend.forward(q, k_new, k_new, kc, kc.clone(), meta, 0.125)
     return calls
 
@@ -712,7 +714,7 @@ def test_prefill_attention_takes_the_path_that_sums_less(cache, monkeypatch, cap
 def test_prefill_attention_offers_bf16_products_only_where_allowed(cache, monkeypatch):
     """The kernel with bfloat16 products is a candidate only when the caller allows it (the model's
     prefill linears take int8 codes) and this build and CPU have them; chosen, the backend's
-    prefills run it."""
+    prefills of 16 rows or more run it, shorter ones the float32 kernel."""
     from kvserve.attention import get_backend
     from kvserve.kernels import paged_attention
 
@@ -733,8 +735,11 @@ def test_prefill_attention_offers_bf16_products_only_where_allowed(cache, monkey
         return
     assert backend.prefill_kernel and backend.prefill_bf16
     assert clock.count[f"kernel_bf16@attention {long}"] == evidence.ROUNDS
-    calls = prefill_kernel_calls(backend, monkeypatch)
+    calls = prefill_kernel_calls(backend, monkeypatch, tuning.BF16_DENSE_MIN_ROWS)
     assert len(calls) == 1 and calls[0][-1] is True  # bf16=True
+    # a chunk of fewer rows than the linears' bfloat16 and int8 paths take keeps float32 products
+    calls = prefill_kernel_calls(backend, monkeypatch, tuning.BF16_DENSE_MIN_ROWS - 1)
+    assert len(calls) == 1 and calls[0][-1] is False
 
 
 def test_prefill_attention_is_measured_over_the_cache_dtype(cache, monkeypatch):
