@@ -95,7 +95,7 @@ def load() -> ctypes.CDLL | None:
     return _lib
 
 
-AMX_ENV = "KVSERVE_AMX"  # "0": no AMX tiles for the dense matmuls (amx_ready is False)
+AMX_ENV = "KVSERVE_AMX"  # "0": no AMX tiles, for dense matmuls or prefill attention (amx_ready False)
 _amx: bool | None = None
 
 
@@ -117,8 +117,9 @@ def amx_fits(w: Blocks) -> bool:
 
 
 def amx_linear(x: torch.Tensor, w: Blocks) -> torch.Tensor:
-    """x [M, K] @ W.T in float32 [M, N], on the AMX tiles: x rounded to bfloat16, W's 32-row panels
-    dequantized to bfloat16 as `dequantize` does, float32 sums (amx_ready and amx_fits hold)."""
+    """x [M, K] @ W.T in float32 [M, N], on the AMX tiles: x rounded to bfloat16, W dequantized to
+    bfloat16 as `dequantize` does, a panel of rows per thread at a time (c/qmatmul.c), float32 sums
+    (amx_ready and amx_fits hold)."""
     if not (amx_ready() and amx_fits(w)):  # without Linux's grant a tile instruction is SIGILL
         raise RuntimeError("amx_linear: no AMX tiles here, or a weight they do not take")
     n, k = w.shape
