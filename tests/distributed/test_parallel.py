@@ -82,7 +82,11 @@ def test_tiny_models_tp2_and_pp2(tiny_model_factory, arch):
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])
-def test_quantized_weights_under_tp2(tiny_model_factory, method):
+def test_quantized_weights_under_tp2(tiny_model_factory, method, monkeypatch):
+    # Tuning off: it measures each rank's own shapes, and where a bfloat16 path (the AMX dense matmul
+    # or attention products) wins for one shape and not the other, the two runs round differently
+    # (a 1.2e-3 logprob difference on a Xeon with AMX); sharding is what this test is about.
+    monkeypatch.setenv("KVSERVE_KERNEL_TUNING", "off")
     path = str(tiny_model_factory("llama"))
     ref = _run(IDS, model=path, dtype="float32", quantization=method)
     assert_same_greedy(_run(IDS, model=path, dtype="float32", quantization=method, tensor_parallel_size=2), ref)
