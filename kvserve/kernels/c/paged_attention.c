@@ -626,8 +626,7 @@ AMX_TARGET static void fa_amx_pv(const uint16_t *pb, uint16_t *pa, int64_t m, in
 #ifndef FA_AMX
 #define FA_AMX 0
 #endif
-/* 0: no bfloat16 products in this build; 1: AVX512-BF16 dot products; 2: AMX tiles too. */
-int prefill_bf16_products(void) { return FA_BF16 + FA_AMX; }
+int prefill_bf16_products(void) { return FA_BF16; }
 
 /* Scratch floats of one thread for rows of m query rows and head size d (fa_tile's layout: qt, s, o,
    kc, vc, mx, l, alpha, qp, a zero row, then the bfloat16 copies qb, kb, vb, pb and P row-major, pa). */
@@ -787,7 +786,8 @@ void paged_prefill(const void *q, int q_bf16, int64_t q_stride, const void *k_ca
                    const int64_t *seq_lens, const int64_t *pos, int64_t r0, int64_t r1, int64_t hq, int64_t hkv,
                    int64_t d, int64_t block_size, float scale, int bf16_products, int num_threads) {
     const int64_t g = hq / hkv, tq = prefill_tile_tokens(g);
-    const int bf = FA_BF16 && bf16_products && d % 16 == 0 ? (FA_AMX && bf16_products == 2 && d % 32 == 0 ? 2 : 1) : 0;
+    /* bf: 0 float32 products, 1 AVX512-BF16 dot products, 2 AMX tiles (asked for with 2) */
+    const int bf = !(FA_BF16 && bf16_products && d % 16 == 0) ? 0 : FA_AMX && bf16_products == 2 && d % 32 == 0 ? 2 : 1;
     const int64_t m = (tq * g + 2 * FA_VW - 1) / (2 * FA_VW) * (2 * FA_VW);
     int64_t ntasks = 0, ntok = starts[r1] - starts[r0];
     for (int64_t i = r0; i < r1; ++i) ntasks += (starts[i + 1] - starts[i] + tq - 1) / tq * hkv;

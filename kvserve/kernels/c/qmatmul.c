@@ -1677,6 +1677,10 @@ static void dequantize_row(int bits, const uint8_t *wq, const void *wd, const vo
     }
 }
 
+/* Whether W's rows are interleaved 4-bit codes (scales in any form): dequantize_group_il4's weights. */
+static inline int il4_bits(int bits) {
+    return (bits & INTERLEAVED) && (bits & ~(HALF_SCALES | INTERLEAVED | KSCALES)) == 4;
+}
 #if defined(__AVX2__)
 /* Rows [8 g, 8 g + 8) of an interleaved 4-bit W (bits may carry HALF_SCALES, KSCALES) into dst,
    the values dequantize_row gives: each block's 4 chunks loaded once and transposed in registers
@@ -1708,7 +1712,7 @@ static void dequantize_group_il4(int bits, const uint8_t *wq, const void *wd, co
 void dequantize(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t N, int64_t K, void *w,
                 int bf16, int nthreads) {
 #if defined(__AVX2__)
-    if ((bits & INTERLEAVED) && (bits & ~(HALF_SCALES | INTERLEAVED | KSCALES)) == 4 && N % 8 == 0) {
+    if (il4_bits(bits) && N % 8 == 0) {
         #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int64_t g = 0; g < N / 8; ++g) dequantize_group_il4(bits, wq, wd, wc, K, g, w, bf16);
         return;
@@ -1745,12 +1749,14 @@ int amx_enable(void) {
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, XFEATURE_XTILEDATA) == 0;
 }
 
-/* dequantize_group_il4's bfloat16 for group g into amx_linear's panel (rows from n0; row r's block b
-   at (r / 16) 16 K + (r % 16) 32 + 512 b), 32 values at a time in 512-bit registers (AVX512-BF16,
-   which every AMX CPU has): the same bits (code - 8 exact, one FMA, rounded to nearest even). */
-__attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
-static void amx_dequant_group(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t K, int64_t g,
-                              int64_t n0, uint16_t *panel) {
+/* Where a panel of amx_linear holds its row r's block b (16 rows x 32 values per A tile, 1 KB in a row). */
+static inline int64_t amx_panel_at(int64_t r, int64_t b, int64_t K) { return r / 16 * 16 * K + r % 16 * 32 + b * 512; }
+
+/* dequantize_group_il4's bfloat16 for group g into amx_linear's panel (rows from n0), 32 values at a
+   time in 512-bit registers (AVX512-BF16, which every AMX CPU has): the same bits (code - 8 exact,
+   one FMA, rounded to nearest even). */
+AMX_TARGET static void amx_dequant_group(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t K,
+                                         int64_t g, int64_t n0, uint16_t *panel) {
     const int half = bits & HALF_SCALES, ks = bits & KSCALES;
     const int64_t nb = K / 32;
     const __m512i low = _mm512_set1_epi32(0xF), eight = _mm512_set1_epi32(8);
@@ -1768,7 +1774,7 @@ static void amx_dequant_group(int bits, const uint8_t *wq, const void *wd, const
             const __m512i hi = _mm512_sub_epi32(_mm512_srli_epi32(v, 4), eight);
             const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), dv, cv);
             const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), dv, cv);
-            _mm512_store_si512(panel + r / 16 * 16 * K + r % 16 * 32 + b * 512, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+            _mm512_store_si512(panel + amx_panel_at(r, b, K), (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
         }
     }
 }
@@ -1779,7 +1785,7 @@ static void amx_dequant_group(int bits, const uint8_t *wq, const void *wd, const
 AMX_TARGET void amx_linear(int bits, const uint8_t *wq, const void *wd, const void *wc, int64_t N, int64_t K,
                            const float *x, int64_t M, float *y, int64_t ldy, uint16_t *xv, int nthreads) {
     const int64_t Mp = (M + 31) / 32 * 32;
-    const int il4 = (bits & INTERLEAVED) && (bits & ~(HALF_SCALES | INTERLEAVED | KSCALES)) == 4;
+    const int il4 = il4_bits(bits);
     int64_t np = 512;  /* rows per panel: as many as fit AMX_PANEL_BYTES, 2 panels per thread at least */
     while (np > 32 && (np * K * 2 > AMX_PANEL_BYTES || np * 2 * nthreads > N)) np /= 2;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -1809,7 +1815,7 @@ AMX_TARGET void amx_linear(int bits, const uint8_t *wq, const void *wd, const vo
                 for (int64_t r = 0; r < rows; ++r) {
                     dequantize_row(bits, wq, wd, wc, K, n0 + r, row, 1);
                     for (int64_t b = 0; b < K / 32; ++b)
-                        memcpy(panel + r / 16 * 16 * K + r % 16 * 32 + b * 512, row + 32 * b, 64);
+                        memcpy(panel + amx_panel_at(r, b, K), row + 32 * b, 64);
                 }
             for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
                 const uint16_t *x0 = xv + m0 / 16 * (K / 2) * 32, *x1 = x0 + (K / 2) * 32;
